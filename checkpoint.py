@@ -81,25 +81,7 @@ def download(repo_id: str) -> Path:
 # ---------------------------------------------------------------- Hugging Face folders
 
 def read_hf_folder(folder: Path):
-    cfg = json.loads((folder / "config.json").read_text())
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in HF_ARCHS:
-        raise CheckpointError(f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(HF_ARCHS))}")
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
-        raise CheckpointError(f"{folder}: rope_scaling {scaling.get('rope_type', scaling.get('type'))} is not "
-                              "supported (only llama3)")
-    n_head = cfg["num_attention_heads"]
-    args = ModelArgs(
-        dim=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
-        n_kv_head=cfg.get("num_key_value_heads", n_head), intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_base=cfg.get("rope_theta", 10000.0),
-        rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
-        attn_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-    )
+    args = hf_args(json.loads((folder / "config.json").read_text()), folder)
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else [f.name for f in folder.glob("*.safetensors")]
@@ -111,10 +93,29 @@ def read_hf_folder(folder: Path):
     return args, hf_to_ours(hf, args)
 
 
-def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
-    def rotate_half_to_pairs(w, n):  # HF stores q/k rows as [first halves | second halves] per head
-        return w.view(n, 2, args.head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def hf_args(cfg: dict, folder, need_arch: bool = True) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json (also read for EAGLE heads, which have no architecture check)."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if need_arch and arch not in HF_ARCHS:
+        raise CheckpointError(f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(HF_ARCHS))}")
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+        raise CheckpointError(f"{folder}: rope_scaling {scaling.get('rope_type', scaling.get('type'))} is not "
+                              "supported (only llama3)")
+    n_head = cfg["num_attention_heads"]
+    return ModelArgs(
+        dim=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
+        n_kv_head=cfg.get("num_key_value_heads", n_head), intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_base=cfg.get("rope_theta", 10000.0),
+        rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+        max_seq_len=cfg.get("max_position_embeddings", 4096),
+        attn_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
+    )
 
+
+def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     def get(name):
         if name not in hf:
             raise CheckpointError(f"weight {name} is missing from the checkpoint")
@@ -124,20 +125,29 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     if not args.tie_embeddings:
         out["output.weight"] = get("lm_head.weight")
     for i in range(args.n_layer):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        q, k, v = (get(p + f"self_attn.{x}_proj.weight") for x in "qkv")
-        out[o + "attention.wqkv.weight"] = torch.cat([rotate_half_to_pairs(q, args.n_head),
-                                                      rotate_half_to_pairs(k, args.n_kv_head), v])
-        if args.attn_bias:
-            qb, kb, vb = (get(p + f"self_attn.{x}_proj.bias") for x in "qkv")
-            out[o + "attention.wqkv.bias"] = torch.cat([rotate_half_to_pairs(qb, args.n_head),
-                                                        rotate_half_to_pairs(kb, args.n_kv_head), vb])
-        out[o + "attention.wo.weight"] = get(p + "self_attn.o_proj.weight")
-        out[o + "feed_forward.w1.weight"] = get(p + "mlp.gate_proj.weight")
-        out[o + "feed_forward.w3.weight"] = get(p + "mlp.up_proj.weight")
-        out[o + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
+        out.update(hf_block(get, f"model.layers.{i}.", f"layers.{i}.", args))
+    return out
+
+
+def hf_block(get, p: str, o: str, args: ModelArgs, input_norm: bool = True) -> dict:
+    """One HF decoder layer (keys under prefix p) -> our Block keys under prefix o.
+    HF stores q/k rows per head as [first halves | second halves] (rotate-half RoPE); we rotate
+    interleaved pairs, so those rows are permuted."""
+    def pairs(w, n):
+        return w.view(n, 2, args.head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    q, k, v = (get(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+    out = {o + "attention.wqkv.weight": torch.cat([pairs(q, args.n_head), pairs(k, args.n_kv_head), v])}
+    if args.attn_bias:
+        qb, kb, vb = (get(p + f"self_attn.{x}_proj.bias") for x in "qkv")
+        out[o + "attention.wqkv.bias"] = torch.cat([pairs(qb, args.n_head), pairs(kb, args.n_kv_head), vb])
+    out[o + "attention.wo.weight"] = get(p + "self_attn.o_proj.weight")
+    out[o + "feed_forward.w1.weight"] = get(p + "mlp.gate_proj.weight")
+    out[o + "feed_forward.w3.weight"] = get(p + "mlp.up_proj.weight")
+    out[o + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
+    if input_norm:
         out[o + "attention_norm.weight"] = get(p + "input_layernorm.weight")
-        out[o + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
+    out[o + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
     return out
 
 

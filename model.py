@@ -82,6 +82,11 @@ class Transformer(nn.Module):
                                                self.args.head_dim, dtype, device)
         self.register_buffer("freqs_cis", precompute_freqs_cis(self.args, max_seq_len, device), persistent=False)
 
+    def compact(self, src: Tensor, dst: Tensor):
+        """After a tree step: move the accepted path's cache slots src [K] to the contiguous slots dst [K]."""
+        for layer in self.layers:
+            layer.attention.kv_cache.compact(src, dst)
+
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 cache_pos: Optional[Tensor] = None, return_hidden: bool = False):
         """idx: [B, T] tokens; input_pos: [T] RoPE positions.

@@ -1,0 +1,460 @@
+"""Draft heads that read the base model's last hidden states: Medusa, Hydra (and Hydra++), EAGLE.
+
+Every head answers the decode loop the same way, so the loop never asks which one it has:
+  begin(base, h, next_tokens, n, P) -> (logits [1, V], state [1, *])
+      h: [R, dim] base hidden states (after the final norm) of the last accepted path, at positions
+      P-n .. P-1 (rows past n are stale); next_tokens: [R] the token after each row, so that
+      next_tokens[n-1] is the tree root. Returns the root's child logits and the root's state.
+  expand(base, depth, parent_state [F, *], tokens [F], attn) -> (logits [F or 1, V], state [F, *])
+      the child logits of F tree nodes at `depth` given their tokens and their parents' states.
+      Logits of one row mean "the same for every node" (Medusa's heads ignore the path).
+  prefill(base, h [T, dim], next_tokens [T]) fills a head's own cache (EAGLE, Hydra++) with the prompt.
+draft_static / draft_dynamic below turn those into a token tree with static shapes.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
+from trees import Tree, dynamic_select, tree_buffers
+
+
+class HeadError(ValueError):
+    pass
+
+
+def last_row(x: Tensor, n: Tensor) -> Tensor:
+    # x: [R, *] -> [1, *], row n-1 (n a long tensor: no host sync)
+    return x.index_select(0, (n - 1).reshape(1))
+
+
+# ---------------------------------------------------------------- Medusa
+
+class ResBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity, as Medusa does
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class Medusa(nn.Module):
+    """Medusa-1: head k = ResBlock^L then its own Linear(dim, vocab) (or the base lm_head when
+    lm_head=False, as MLC-LLM shares it); head k predicts the token k+1 steps past the root."""
+    needs_attn = False
+
+    def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1, lm_head: bool = True):
+        super().__init__()
+        self.num_heads = num_heads
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(*[ResBlock(dim) for _ in range(num_layers)],
+                          *([nn.Linear(dim, vocab_size, bias=False)] if lm_head else []))
+            for _ in range(num_heads))
+        self.lm_head = lm_head
+
+    def setup_caches(self, max_seq_len: int):
+        pass
+
+    def prefill(self, base, h, next_tokens):
+        pass
+
+    def head_logits(self, base, k: int, x: Tensor) -> Tensor:
+        y = self.medusa_head[k](x)
+        return y if self.lm_head else base.output(y)
+
+    def begin(self, base, h, next_tokens, n, P):
+        x = last_row(h, n)
+        return self.head_logits(base, 0, x), x
+
+    def expand(self, base, depth, parent_state, tokens, attn):
+        return self.head_logits(base, depth, parent_state[:1]), parent_state
+
+
+# ---------------------------------------------------------------- EAGLE and Hydra++ share a cached layer
+
+class CachedLayer(nn.Module):
+    """One decoder layer with its own static KV cache, run over rows at given positions/slots."""
+
+    def __init__(self, args: ModelArgs, input_norm: bool = True):
+        super().__init__()
+        self.args = args
+        self.block = Block(args)
+        if not input_norm:
+            self.block.attention_norm = nn.Identity()
+        self.max_seq_len = 0
+
+    def setup_caches(self, max_seq_len: int):
+        a, w = self.args, self.block.attention.wo.weight
+        self.max_seq_len = max_seq_len
+        self.block.attention.kv_cache = KVCache(1, a.n_kv_head, max_seq_len, a.head_dim, w.dtype, w.device)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(a, max_seq_len, w.device), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        # x: [R, dim]; positions, slots: [R]; mask: bool [R, max_seq_len]
+        return self.block(x[None], self.freqs_cis[positions], mask[None, None], slots)[0]
+
+    def catch_up(self, x: Tensor, P_minus_n: Tensor) -> Tensor:
+        # rows of the accepted path at positions P-n+j, written at the same slots, causal
+        pos = P_minus_n + torch.arange(x.shape[0], device=x.device)
+        mask = torch.arange(self.max_seq_len, device=x.device)[None, :] <= pos[:, None]
+        return self(x, pos, pos, mask)
+
+
+class Eagle(nn.Module):
+    """EAGLE-1/2 draft model: fc(cat(embed(token), feature)) then one Llama decoder layer (input
+    norm skipped) with its own KV cache; logits through the base model's lm_head. Row t of its cache
+    holds (feature_t, token_{t+1}); its output at t is the predicted feature_{t+1}."""
+    needs_attn = True
+
+    def __init__(self, args: ModelArgs, bias: bool = True):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=bias)
+        self.layer = CachedLayer(args, input_norm=False)
+
+    def setup_caches(self, max_seq_len: int):
+        self.layer.setup_caches(max_seq_len)
+
+    def rows(self, base, feats, tokens):
+        return self.fc(torch.cat([base.tok_embeddings(tokens), feats.to(self.fc.weight.dtype)], -1))
+
+    def prefill(self, base, h, next_tokens):
+        # the prompt's rows but the last, which the first step's begin() writes
+        self.layer.catch_up(self.rows(base, h[:-1], next_tokens[:-1]), torch.zeros((), dtype=torch.long))
+
+    def begin(self, base, h, next_tokens, n, P):
+        out = self.layer.catch_up(self.rows(base, h, next_tokens), P - n)
+        x = last_row(out, n)
+        return base.output(x), x
+
+    def expand(self, base, depth, parent_state, tokens, attn):
+        out = self.layer(self.rows(base, parent_state, tokens), *attn)
+        return base.output(out), out
+
+
+# ---------------------------------------------------------------- Hydra
+
+class HydraBlock(nn.Module):
+    """Hydra's ResBlock: the first block of head i reads i+1 token embeddings beside the hidden
+    state, and a linear residual brings it back to dim."""
+
+    def __init__(self, dim: int, num_condition: int = 0):
+        super().__init__()
+        self.linear = nn.Linear(dim * (num_condition + 1), dim)
+        self.res_connection = nn.Linear(dim * (num_condition + 1), dim) if num_condition else nn.Identity()
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.res_connection(x) + F.silu(self.linear(x))
+
+
+class Hydra(nn.Module):
+    """Hydra: sequentially dependent heads; head i reads the hidden state and the embeddings of
+    the root and the i tokens drafted before it (grounded). Hydra++ (prefix=True) first runs one
+    extra decoder layer (and final norm) over the base hidden states, with its own KV cache."""
+
+    def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 grounded: bool = True, prefix_args: Optional[ModelArgs] = None):
+        super().__init__()
+        self.num_heads, self.grounded = num_heads, grounded
+        self.hydra_mlp = nn.ModuleList(
+            nn.Sequential(HydraBlock(dim, i + 1 if grounded else 0), *[HydraBlock(dim) for _ in range(num_layers - 1)])
+            for i in range(num_heads))
+        self.hydra_lm_head = nn.ModuleList(nn.Linear(dim, vocab_size) for _ in range(num_heads))
+        self.prefix = CachedLayer(prefix_args) if prefix_args else None
+        self.prefix_norm = RMSNorm(dim, prefix_args.norm_eps) if prefix_args else None
+        self.needs_attn = False
+
+    def setup_caches(self, max_seq_len: int):
+        if self.prefix:
+            self.prefix.setup_caches(max_seq_len)
+
+    def prefill(self, base, h, next_tokens):
+        if self.prefix:
+            self.prefix.catch_up(h[:-1].to(self.prefix_norm.weight.dtype), torch.zeros((), dtype=torch.long))
+
+    def begin(self, base, h, next_tokens, n, P):
+        if self.prefix:
+            h = self.prefix_norm(self.prefix.catch_up(h.to(self.prefix_norm.weight.dtype), P - n))
+        return self.expand(base, 0, last_row(h, n), last_row(next_tokens, n), None)
+
+    def expand(self, base, depth, parent_state, tokens, attn):
+        # parent_state: [F, dim * (depth + 1)] = hidden and the path's embeddings above this node
+        x = torch.cat([parent_state, base.tok_embeddings(tokens).to(parent_state.dtype)], -1) \
+            if self.grounded else parent_state
+        return self.hydra_lm_head[depth](self.hydra_mlp[depth](x)), x
+
+
+# ---------------------------------------------------------------- drafting a tree
+
+@dataclass
+class StaticPlan:
+    """How to draft a fixed tree depth by depth, precomputed in Python once."""
+    tree: Tree
+    child_parent_row: list   # per depth d >= 1: [n_d] row of each node's parent among the expanded rows of d-1
+    child_choice: list       # per depth d >= 1: [n_d] which of the parent's top-k the node takes
+    topk: list               # per depth d >= 1: int
+    expand_nodes: list       # per depth d >= 1: [F_d] nodes at depth d that have children
+    expand_parent_row: list  # per depth d >= 1: [F_d] their parents' rows among the expanded rows of d-1
+    expand_offset: list      # per depth d >= 1: [F_d] their index among the nodes of depth d
+
+
+def static_plan(paths: list) -> StaticPlan:
+    """paths: Medusa-style index paths; a node at depth d takes choice path[-1] of its parent's top-k."""
+    tree = tree_buffers(paths)
+    paths = [()] + sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))  # tree_buffers' node order
+    node = {p: i for i, p in enumerate(paths)}
+    plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None])
+    rows = [()]  # the expanded nodes of the previous depth, in row order
+    for d in range(1, tree.depth + 1):
+        nodes = [p for p in paths if len(p) == d]
+        parents_of = {p[:-1] for p in paths if len(p) == d + 1}
+        plan.child_parent_row.append(torch.tensor([rows.index(p[:-1]) for p in nodes]))
+        plan.child_choice.append(torch.tensor([p[-1] for p in nodes]))
+        plan.topk.append(max(p[-1] for p in nodes) + 1)
+        expanded = [p for p in nodes if p in parents_of]
+        plan.expand_nodes.append(torch.tensor([node[p] for p in expanded], dtype=torch.long))
+        plan.expand_parent_row.append(torch.tensor([rows.index(p[:-1]) for p in expanded], dtype=torch.long))
+        plan.expand_offset.append(torch.tensor([nodes.index(p) for p in expanded], dtype=torch.long))
+        rows = expanded
+    return plan
+
+
+def plan_to(plan: StaticPlan, device) -> StaticPlan:
+    mv = lambda xs: [x.to(device) if isinstance(x, Tensor) else x for x in xs]
+    return StaticPlan(plan.tree.to(device), mv(plan.child_parent_row), mv(plan.child_choice), plan.topk,
+                      mv(plan.expand_nodes), mv(plan.expand_parent_row), mv(plan.expand_offset))
+
+
+def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):
+    """Attention inputs for expanding tree nodes in a head's own cache (EAGLE): node i of depth d
+    sits at position P+d-1 and scratch slot S0+i, after the catch-up rows; it sees the
+    accepted prefix [0, P) and the scratch slots of its ancestors (the root's row is in the prefix).
+    nodes: [F] node ids (>= 1); anc: bool [F, M] ancestors-or-self among node ids 0..M-1."""
+    if not head.needs_attn:
+        return None
+    dev = nodes.device
+    S0 = P - n + D + 1
+    M = anc.shape[1]
+    mask = torch.arange(head.layer.max_seq_len, device=dev)[None, :] < P
+    mask = mask.expand(nodes.shape[0], -1).index_copy(1, S0 + torch.arange(M, device=dev), anc & (torch.arange(M, device=dev) > 0))
+    return (P + depth - 1).expand(nodes.shape[0]), S0 + nodes, mask
+
+
+def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
+    """Tokens for every node of a fixed tree. Returns (draft_tokens [N], tree)."""
+    tree, D = plan.tree, plan.tree.depth
+    root = last_row(next_tokens, n)                               # [1]
+    logits, state = head.begin(base, h, next_tokens, n, P)       # [1, V], [1, *]
+    out = [root]
+    for d in range(1, D + 1):
+        top = logits.topk(plan.topk[d], dim=-1).indices           # [rows or 1, topk]
+        rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
+        tokens = top[rows, plan.child_choice[d]]                  # [n_d]
+        out.append(tokens)
+        if d < D:
+            nodes = plan.expand_nodes[d]
+            attn = draft_attn(head, P, n, d, D, nodes, tree.tree_mask[nodes])
+            logits, state = head.expand(base, d, state[plan.expand_parent_row[d]], tokens[plan.expand_offset[d]], attn)
+    return torch.cat(out), tree
+
+
+def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, total_tokens: int):
+    """EAGLE-2's dynamic tree: expand the top_k best frontier nodes by cumulative log-prob for
+    `depth` levels, then keep the best total_tokens - 1 of all drafted nodes. Static shapes.
+    Pool node j (0-based) has id j+1 (0 is the root) for the head's scratch slots."""
+    root = last_row(next_tokens, n)
+    logits, state = head.begin(base, h, next_tokens, n, P)
+    logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
+    scores, tokens = logp[0].topk(top_k)                          # [k]
+    M = top_k + (depth - 1) * top_k * top_k
+    dev = scores.device
+    pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((top_k,), -1, device=dev)]
+    ids = torch.arange(1, top_k + 1, device=dev)                  # frontier ids
+    anc = F.one_hot(ids, M + 1).bool()                            # [k, M+1] ancestors-or-self
+    state = state.expand(top_k, *state.shape[1:])
+    for d in range(1, depth):
+        attn = draft_attn(head, P, n, d, depth, ids, anc)
+        logits, st = head.expand(base, d, state, tokens, attn)   # [k or 1, V]
+        cand = scores[:, None] + torch.log_softmax(logits.float(), -1)  # [k, V]
+        cs, ct = cand.topk(top_k, dim=-1)                         # [k, k]
+        start = top_k + (d - 1) * top_k * top_k                   # pool index of the first new node
+        pool_scores.append(cs.flatten())
+        pool_tokens.append(ct.flatten())
+        pool_parents.append((ids - 1).repeat_interleave(top_k))
+        scores, best = cs.flatten().topk(top_k)
+        row = best // top_k
+        tokens, ids = ct.flatten()[best], start + 1 + best
+        anc = anc[row] | F.one_hot(ids, M + 1).bool()
+        state = st[row]
+    draft_tokens, tree = dynamic_select(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens),
+                                        total_tokens, depth, root[0])
+    return draft_tokens, tree
+
+
+# ---------------------------------------------------------------- official checkpoint layouts
+
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+HYDRA_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def load_heads(path, base, head_type: Optional[str] = None):
+    """A draft head from its official layout: a local folder or a hub id.
+    Medusa: config.json (medusa_num_heads, medusa_num_layers) + medusa_lm_head.{pt,safetensors};
+    Hydra: config.json (hydra_num_heads, hydra_num_layers, hydra_head_arch mlp|prefix-mlp,
+    grounded_heads) + hydra_lm_head.{pt,safetensors}; EAGLE: a Llama-style config.json
+    (num_hidden_layers 1, bias) + pytorch_model.bin or model.safetensors.
+    Checks that the head fits `base` (hidden size, vocab) and casts it to the base's dtype."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        if folder.exists() or str(path).count("/") != 1:
+            raise HeadError(f"heads {path} is not a folder: give a heads folder or a hub id")
+        folder = _download(str(path))
+    if not (folder / "config.json").exists():
+        raise HeadError(f"{folder} has no config.json: is it a Medusa, Hydra or EAGLE checkpoint?")
+    cfg = json.loads((folder / "config.json").read_text())
+    kind = head_type or ("medusa" if "medusa_num_heads" in cfg else "hydra" if "hydra_num_heads" in cfg else
+                         "eagle" if any((folder / f).exists() for f in EAGLE_FILES) else None)
+    if kind not in ("medusa", "hydra", "eagle"):
+        raise HeadError(f"cannot tell the head type of {folder}: pass --head_type medusa|hydra|eagle")
+    files = {"medusa": MEDUSA_FILES, "hydra": HYDRA_FILES, "eagle": EAGLE_FILES}[kind]
+    weights = next((folder / f for f in files if (folder / f).exists()), None)
+    if weights is None:
+        raise HeadError(f"{folder}: no {' or '.join(files)} for a {kind} head")
+    sd = _read(weights)
+    dim, vocab = base.args.dim, base.args.vocab_size
+    if kind == "medusa":
+        L, K = cfg.get("medusa_num_layers", 1), cfg["medusa_num_heads"]
+        K = min(K, 1 + max((int(k.split(".")[0]) for k in sd), default=-1))  # some configs over-count heads
+        head = Medusa(dim, vocab, K, L, lm_head=f"0.{L}.weight" in sd)
+        head.medusa_head.load_state_dict(_fit(sd, head.medusa_head.state_dict(), folder, kind))
+    elif kind == "hydra":
+        arch = cfg.get("hydra_head_arch", "mlp")
+        if arch not in ("mlp", "prefix-mlp"):
+            raise HeadError(f"{folder}: hydra_head_arch {arch} is not supported (mlp or prefix-mlp)")
+        prefix = None
+        if arch == "prefix-mlp":
+            prefix = ModelArgs(**{**base.args.to_dict(), "n_layer": 1})
+            sd.update(_hf_layer(sd, "prefix_embeding_layer.layers.0.", "prefix.block.", prefix))
+            sd["prefix_norm.weight"] = sd.pop("prefix_embeding_layer.norm.weight", None)
+            sd = {k: v for k, v in sd.items() if not k.startswith("prefix_embeding_layer.") and v is not None}
+        head = Hydra(dim, vocab, cfg["hydra_num_heads"], cfg.get("hydra_num_layers", 1),
+                     cfg.get("grounded_heads", True), prefix)
+        head.load_state_dict(_fit(sd, head.state_dict(), folder, kind))
+    else:
+        from checkpoint import hf_args
+        args = hf_args(cfg, folder, need_arch=False)
+        if args.dim != dim or args.vocab_size != vocab:
+            raise HeadError(f"{folder}: EAGLE head is for hidden size {args.dim} and vocab {args.vocab_size}, "
+                            f"the base model has {dim} and {vocab}: use heads trained for this base model")
+        head = Eagle(args, bias=cfg.get("bias", True))
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        ours = {"fc.weight": sd.get("fc.weight"), "fc.bias": sd.get("fc.bias")}
+        ours.update(_hf_layer(sd, "layers.0.", "layer.block.", args, input_norm=False))
+        head.load_state_dict(_fit({k: v for k, v in ours.items() if v is not None}, head.state_dict(), folder, kind))
+    return head.to(base.output.weight.dtype).eval()
+
+
+def save_heads(head, folder, base_model: str = ""):
+    """Writes a head in its official layout (safetensors), the inverse of load_heads."""
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    if isinstance(head, Medusa):
+        cfg = {"medusa_num_heads": head.num_heads, "medusa_num_layers": sum(isinstance(m, ResBlock) for m in head.medusa_head[0]),
+               "base_model_name_or_path": base_model}
+        save_file({k.removeprefix("medusa_head."): v for k, v in sd.items()}, folder / MEDUSA_FILES[0])
+    elif isinstance(head, Hydra):
+        cfg = {"hydra_num_heads": head.num_heads, "hydra_num_layers": len(head.hydra_mlp[0]),
+               "hydra_head_arch": "prefix-mlp" if head.prefix else "mlp", "grounded_heads": head.grounded,
+               "base_model_name_or_path": base_model}
+        out = {k: v for k, v in sd.items() if not k.startswith("prefix")}
+        if head.prefix:
+            out.update(_ours_layer(sd, "prefix.block.", "prefix_embeding_layer.layers.0.", head.prefix.args))
+            out["prefix_embeding_layer.norm.weight"] = sd["prefix_norm.weight"]
+        save_file(out, folder / HYDRA_FILES[0])
+    else:
+        a = head.args
+        cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": a.dim, "num_hidden_layers": 1,
+               "num_attention_heads": a.n_head, "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim,
+               "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
+               "rope_theta": a.rope_base, "rope_scaling": a.rope_scaling, "max_position_embeddings": a.max_seq_len,
+               "bias": head.fc.bias is not None, "base_model_name_or_path": base_model}
+        out = {k: v for k, v in sd.items() if k.startswith("fc.")}
+        out.update(_ours_layer(sd, "layer.block.", "layers.0.", a, input_norm=False))
+        save_file(out, folder / EAGLE_FILES[0])
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def _hf_layer(sd, p, o, args, input_norm=True):
+    from checkpoint import hf_block
+
+    def get(k):
+        if k not in sd:
+            raise HeadError(f"weight {k} is missing from the head checkpoint")
+        return sd[k]
+    return hf_block(get, p, o, args, input_norm)
+
+
+def _ours_layer(sd, o, p, args, input_norm=True):
+    # our Block keys -> HF decoder layer keys (q/k rows back to rotate-half)
+    def half(w, n):
+        return w.view(n, args.head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+    qs, ks = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
+    out = {}
+    for kind in ("weight", "bias"):
+        w = sd.get(o + f"attention.wqkv.{kind}")
+        if w is not None:
+            q, k, v = w.split([qs, ks, ks])
+            out.update({p + f"self_attn.q_proj.{kind}": half(q, args.n_head),
+                        p + f"self_attn.k_proj.{kind}": half(k, args.n_kv_head), p + f"self_attn.v_proj.{kind}": v})
+    out[p + "self_attn.o_proj.weight"] = sd[o + "attention.wo.weight"]
+    out[p + "mlp.gate_proj.weight"] = sd[o + "feed_forward.w1.weight"]
+    out[p + "mlp.up_proj.weight"] = sd[o + "feed_forward.w3.weight"]
+    out[p + "mlp.down_proj.weight"] = sd[o + "feed_forward.w2.weight"]
+    if input_norm:
+        out[p + "input_layernorm.weight"] = sd[o + "attention_norm.weight"]
+    out[p + "post_attention_layernorm.weight"] = sd[o + "ffn_norm.weight"]
+    return out
+
+
+def _fit(sd: dict, want: dict, folder, kind: str) -> dict:
+    """Checks names and shapes against the head built for this base model, with a clear message."""
+    missing = [k for k in want if k not in sd]
+    if missing:
+        raise HeadError(f"{folder}: {kind} weights missing {missing[:3]}: not a {kind} checkpoint of the official layout")
+    for k, w in want.items():
+        if sd[k].shape != w.shape:
+            raise HeadError(f"{folder}: {kind} weight {k} has shape {tuple(sd[k].shape)}, this base model needs "
+                            f"{tuple(w.shape)} (hidden size or vocab differ): use heads trained for this base model")
+    return {k: sd[k] for k in want}
+
+
+def _read(path: Path) -> dict:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise HeadError(f"cannot read {path} ({type(e).__name__}): the file is truncated or corrupt") from None
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.pt", "*.bin", "*.safetensors"]))
+    except Exception as e:
+        raise HeadError(f"cannot fetch heads {repo_id} from the hub ({type(e).__name__}): "
+                        "check the id and the network, or give a local folder") from None

@@ -1,0 +1,301 @@
+"""Token trees for speculative decoding: static (Medusa) and dynamic (EAGLE-2) tree
+buffers, and tree verification (greedy, typical, lossless sampling).
+
+Conventions: a tree has N nodes, node 0 is the root = the last emitted token, which is
+not yet in the KV cache. Parents precede children (nodes are sorted by depth).
+logits[i] from the base model's one forward over the tree is the distribution of the
+token that FOLLOWS node i. draft_tokens[i] is the token of node i.
+
+Everything below the "per decode step" line is pure tensor code with static shapes and
+no host syncs, so it traces under torch.compile(fullgraph=True).
+"""
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Medusa's medusa_choices format: a node is its index path from the root, [0, 1] = top-1
+# of head 1, then top-2 of head 2. The root is implicit.
+MEDUSA_TREES = {
+    # FasterDecoding/Medusa medusa/model/medusa_choices.py, found by simulation for vicuna-7b
+    "mc_sim_7b_63": [
+        [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4],
+        [2, 0], [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8],
+        [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0],
+        [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0],
+        [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
+        [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0],
+        [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+    ],
+    # small trees for CPU runs and tests
+    "chain4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "tree10": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]],
+    "tree16": [
+        [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
+        [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0],
+    ],
+}
+
+
+@dataclass
+class Tree:
+    tree_mask: Tensor                     # bool [N, N]; [i, j] = j is i or an ancestor of i
+    positions: Tensor                     # long [N]; depth of node, root 0
+    parents: Tensor                       # long [N]; root -1
+    retrieve_indices: Tensor              # long [L, D+1]; root-first paths, -1 padded
+    tree_indices: Optional[Tensor] = None  # long [N]; static trees: index into candidates
+
+    @property
+    def depth(self) -> int:  # D, static: from a shape, so it is an int under compile
+        return self.retrieve_indices.shape[1] - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0]
+
+    def to(self, device) -> "Tree":
+        buffers = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Tree(**{k: v if v is None else v.to(device) for k, v in buffers.items()})
+
+
+def load_tree(name_or_path: str) -> list:
+    """A named tree from MEDUSA_TREES or a JSON file holding a list of index paths."""
+    bad = (f"unknown tree {name_or_path!r}: give one of {', '.join(MEDUSA_TREES)} "
+           f"or a JSON file of index paths")
+    if name_or_path in MEDUSA_TREES:
+        return [list(p) for p in MEDUSA_TREES[name_or_path]]
+    if not os.path.isfile(name_or_path):
+        raise ValueError(bad)
+    try:
+        with open(name_or_path) as f:
+            paths = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{bad} ({e})") from None
+    ok = isinstance(paths, list) and len(paths) > 0 and all(
+        isinstance(p, list) and len(p) > 0 and all(type(c) is int and c >= 0 for c in p) for p in paths)
+    if not ok:
+        raise ValueError(f"{bad} (want a non-empty list of non-empty lists of ints >= 0)")
+    return paths
+
+
+def tree_buffers(paths: list, topk: Optional[int] = None) -> Tree:
+    """Static tree buffers from Medusa-style index paths (built once, Python is fine).
+    retrieve_indices has one row per leaf, leaves in node order."""
+    paths = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    if not paths:
+        raise ValueError("tree has no paths")
+    if len(set(paths)) != len(paths):
+        raise ValueError("tree has a duplicate path")
+    if any(len(p) == 0 for p in paths):
+        raise ValueError("tree path is empty (the root is implicit)")
+    node = {(): 0}
+    for i, p in enumerate(paths):
+        node[p] = i + 1
+    for p in paths:
+        if p[:-1] not in node:
+            raise ValueError(f"tree path {list(p)} has no parent {list(p[:-1])}")
+    n = len(paths) + 1
+    depth = len(paths[-1])
+    max_choice = max(c for p in paths for c in p)
+    topk = max_choice + 1 if topk is None else topk
+    if topk <= max_choice:
+        raise ValueError(f"topk={topk} but the tree uses choice index {max_choice}")
+
+    tree_mask = torch.zeros(n, n, dtype=torch.bool)
+    positions = torch.zeros(n, dtype=torch.long)
+    parents = torch.full((n,), -1, dtype=torch.long)
+    tree_indices = torch.zeros(n, dtype=torch.long)
+    tree_mask[0, 0] = True
+    for p, i in node.items():
+        if i == 0:
+            continue
+        for k in range(len(p) + 1):
+            tree_mask[i, node[p[:k]]] = True
+        positions[i] = len(p)
+        parents[i] = node[p[:-1]]
+        tree_indices[i] = 1 + (len(p) - 1) * topk + p[-1]
+    is_parent = {p[:-1] for p in paths}
+    rows = [[node[p[:k]] for k in range(len(p) + 1)] for p in paths if p not in is_parent]
+    retrieve_indices = torch.tensor([r + [-1] * (depth + 1 - len(r)) for r in rows], dtype=torch.long)
+    return Tree(tree_mask, positions, parents, retrieve_indices, tree_indices)
+
+
+# ---------------------------------------------------------------- per decode step
+
+def tree_from_parents(parents: Tensor, depth: int) -> Tree:
+    """Tree buffers from a parent array (root -1, parents[i] < i), static shapes.
+    depth must be >= the tree's depth. retrieve_indices: one row PER NODE, [N, depth+1]."""
+    n = parents.shape[0]
+    node = torch.arange(n, device=parents.device)
+    # anc[:, k] = k-th ancestor of each node, -1 above the root; `depth` gathers, unrolled
+    anc = [node]
+    for _ in range(depth):
+        a = anc[-1]
+        anc.append(torch.where(a >= 0, parents[a.clamp(min=0)], -1))
+    anc = torch.stack(anc, 1)                                     # [N, D+1]
+    tree_mask = (anc[:, :, None] == node[None, None, :]).any(1)   # [N, N]
+    positions = (anc >= 0).sum(1) - 1                             # [N]
+    # reverse each ancestor list so the root comes first
+    k = positions[:, None] - torch.arange(depth + 1, device=parents.device)[None, :]  # [N, D+1]
+    retrieve_indices = torch.where(k >= 0, anc.gather(1, k.clamp(min=0)), -1)
+    return Tree(tree_mask, positions, parents, retrieve_indices)
+
+
+def dynamic_select(scores: Tensor, parents: Tensor, tokens: Tensor, total_tokens: int,
+                   depth: int, root_token: Tensor) -> tuple:
+    """EAGLE-2 reranking: keep the best total_tokens - 1 of a pool of M expanded draft
+    nodes and make a tree of them under the root.
+    scores [M]: cumulative draft log-prob; parents [M]: pool index, -1 = child of the root,
+    parents precede children in the pool; tokens [M]; root_token: scalar.
+    Returns draft_tokens [total_tokens] (root first) and Tree (rows per node).
+
+    Cumulative log-probs never increase along a path, and a stable descending sort puts
+    a parent before an equal-scored child (it has the smaller pool index), so the kept
+    set is ancestor-closed. If the scores break that anyway, a kept node whose parent was
+    dropped hangs from its nearest kept ancestor (or the root): its token is still
+    verified against the base model at its new parent, so the output stays correct."""
+    m = scores.shape[0]
+    k = total_tokens - 1
+    assert 0 < k <= m, f"pool of {m} nodes cannot fill a tree of {total_tokens}"
+    keep = torch.sort(scores, descending=True, stable=True).indices[:k]
+    keep = torch.sort(keep).values                                # [k], pool order
+    kept = torch.zeros(m, dtype=torch.bool, device=scores.device).scatter(0, keep, True)
+    # nearest kept ancestor, -1 = the root
+    a = parents
+    for _ in range(depth):
+        a = torch.where((a >= 0) & ~kept[a.clamp(min=0)], parents[a.clamp(min=0)], a)
+    new_index = torch.zeros(m, dtype=torch.long, device=scores.device)
+    new_index = new_index.scatter(0, keep, torch.arange(1, k + 1, device=scores.device))
+    a = a[keep]
+    tree_parents = torch.where(a >= 0, new_index[a.clamp(min=0)], 0)  # [k]
+    tree_parents = torch.cat([tree_parents.new_full((1,), -1), tree_parents])
+    root = torch.as_tensor(root_token, device=tokens.device).to(tokens.dtype).reshape(1)
+    draft_tokens = torch.cat([root, tokens[keep]])
+    return draft_tokens, tree_from_parents(tree_parents, depth)
+
+
+def medusa_draft_tokens(root_token: Tensor, topk_tokens: Tensor, tree_indices: Tensor) -> Tensor:
+    """Static tree tokens: root_token scalar, topk_tokens [K, TOPK] (head d's top choices)."""
+    candidates = torch.cat([root_token.reshape(1), topk_tokens.flatten().to(root_token.dtype)])
+    return candidates[tree_indices]                               # [N]
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0) -> Tensor:
+    """The processed target distribution [..., V]; temperature 0 = one-hot argmax.
+    The autoregressive sampler uses the same function, so both sample the same thing."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / temperature
+    if top_k > 0:
+        pivot = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = torch.where(logits < pivot, -float("inf"), logits)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        p = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it reaches top_p; the top token always stays
+        drop = (p.cumsum(-1) - p) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+        logits = torch.full_like(logits, -float("inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Categorical sample over the last dim with no host sync: argmax(p / Exp(1)).
+    A generator does not compile; under torch.compile pass None and seed globally."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q.clamp(min=1e-30)).argmax(-1)  # clamp: an Exp draw of 0 would give 0/0
+
+
+def _accept_along(target: Tensor, draft_tokens: Tensor, retrieve_indices: Tensor,
+                  alive: Optional[Tensor] = None) -> tuple:
+    """Longest retrieve row whose every draft token equals target[] at its parent.
+    target [N]: the token the base model emits after each node."""
+    idx = retrieve_indices.clamp(min=0)                           # [L, D+1]
+    ok = (draft_tokens[idx[:, 1:]] == target[idx[:, :-1]]) & (retrieve_indices[:, 1:] >= 0)
+    if alive is not None:
+        ok = ok & alive[idx[:, 1:]]
+    lengths = ok.long().cumprod(1).sum(1)                         # [L]
+    best = lengths.argmax(0, keepdim=True)                        # [1]; first row on ties
+    accept_length, path = _path(idx, lengths, best)
+    return accept_length, path, target[path[-1:]].squeeze(0)
+
+
+def _path(idx: Tensor, lengths: Tensor, best: Tensor) -> tuple:
+    # best is [1], not 0-dim: indexing with a 0-dim tensor reads it as a Python int (a sync)
+    accept_length = lengths[best].squeeze(0)
+    # entries past accept_length repeat the last accepted node, so all are valid ids
+    j = torch.arange(idx.shape[1], device=idx.device)
+    path = idx[best].squeeze(0)[torch.minimum(j, accept_length)]  # [D+1]
+    return accept_length, path
+
+
+def greedy_accept(logits: Tensor, draft_tokens: Tensor, retrieve_indices: Tensor) -> tuple:
+    """Longest path whose draft tokens all equal the base argmax at their parent.
+    logits [N, V], draft_tokens [N], retrieve_indices [L, D+1].
+    Returns (accept_length: long scalar, path [D+1] root first, next_token: long scalar)."""
+    return _accept_along(logits.argmax(-1), draft_tokens, retrieve_indices)
+
+
+def typical_accept(logits: Tensor, draft_tokens: Tensor, retrieve_indices: Tensor,
+                   temperature: float, posterior_threshold: float = 0.09,
+                   posterior_alpha: float = 0.3,
+                   generator: Optional[torch.Generator] = None) -> tuple:
+    """Medusa's typical acceptance. LOSSY: it does not keep the base model's distribution.
+    A draft token is accepted if its prob under softmax(logits/T) at its parent exceeds
+    min(posterior_threshold, posterior_alpha * exp(-entropy)). Of the longest accepted
+    paths the most likely wins; the bonus token is sampled from softmax(logits/T) at the
+    last accepted node. temperature 0 is greedy_accept."""
+    if temperature == 0:
+        return greedy_accept(logits, draft_tokens, retrieve_indices)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)   # [N, V]
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)          # [N], Medusa's epsilon
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+    idx = retrieve_indices.clamp(min=0)
+    parent, child = idx[:, :-1], idx[:, 1:]                      # [L, D]
+    p = probs[parent, draft_tokens[child]]                        # [L, D]
+    ok = (p > threshold[parent]) & (retrieve_indices[:, 1:] >= 0)
+    accepted = ok.long().cumprod(1)                               # [L, D]
+    lengths = accepted.sum(1)                                     # [L]
+    likelihood = torch.where(accepted > 0, torch.log(p), 0.0).sum(1)  # log 0 * 0 would be nan
+    best = torch.where(lengths == lengths.max(), likelihood, -float("inf")).argmax(0, keepdim=True)
+    accept_length, path = _path(idx, lengths, best)
+    return accept_length, path, sample(probs[path[-1:]], generator).squeeze(0)
+
+
+def sample_accept(logits: Tensor, draft_tokens: Tensor, tree: Tree, temperature: float,
+                  top_k: int = 0, top_p: float = 1.0,
+                  generator: Optional[torch.Generator] = None) -> tuple:
+    """Lossless tree speculative sampling for deterministic (top-k) drafts, the rule of
+    SpecInfer / EAGLE: at a node with target p, try its children in node order, accept
+    child x with prob p(x) / (mass left), else zero p(x) and try the next; if all fail,
+    sample the bonus token from what is left of p. Emitted tokens follow the target
+    exactly (target = logits_to_probs(logits, temperature, top_k, top_p)).
+
+    Done in closed form: by telescoping, child j of that loop is accepted with prob
+    p(x_j), and the leftover sample is p restricted to the non-children, so the loop is
+    the same as drawing y ~ p at the node and moving to the first child whose token is y
+    (y itself is the bonus if there is none). One independent y per node, drawn up front,
+    then the walk is greedy_accept with y in place of the argmax: no loop over siblings.
+    A child that repeats an earlier sibling's token is never accepted (its p was zeroed)."""
+    probs = logits_to_probs(logits.float(), temperature, top_k, top_p)  # [N, V]
+    y = sample(probs, generator)                                  # [N]
+    n = draft_tokens.shape[0]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=y.device).tril(-1)
+    same = (tree.parents[:, None] == tree.parents[None, :]) & (draft_tokens[:, None] == draft_tokens[None, :])
+    alive = ~(same & earlier).any(1)                              # [N]
+    return _accept_along(y, draft_tokens, tree.retrieve_indices, alive)
+
+
+def emitted_tokens(draft_tokens: Tensor, accept_length: Tensor, path: Tensor,
+                   next_token: Tensor) -> tuple:
+    """The tokens a step emits: accepted draft tokens after the root, then next_token.
+    Takes an accept triple as is: emitted_tokens(draft_tokens, *greedy_accept(...)).
+    Returns (tokens [D+1], count = accept_length + 1); entries past count are copies of
+    next_token (don't-care, but valid ids)."""
+    j = torch.arange(path.shape[0], device=path.device)
+    tokens = torch.where(j < accept_length, draft_tokens[path.roll(-1)], next_token.to(draft_tokens.dtype))
+    return tokens, accept_length + 1                              # [D+1], scalar
