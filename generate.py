@@ -40,6 +40,15 @@ def ar_step(model, token, pos, temperature: float = 0.0, top_k: int = 0, top_p: 
     return nxt.view(1), torch.ones_like(pos), (nxt, pos + 1)
 
 
+def tree_attention_mask(tree_mask, P, max_seq_len: int):
+    """bool [N, max_seq_len]: node i at slot P+i sees the prefix [0, P), its ancestors and itself;
+    stale slots past P+N are masked."""
+    j = torch.arange(max_seq_len, device=P.device) - P           # slot -> node index
+    N = tree_mask.shape[0]
+    in_tree = (j >= 0) & (j < N)
+    return (j < 0)[None, :] | (tree_mask[:, j.clamp(0, N - 1)] & in_tree[None, :])
+
+
 def spec_step(model, draft, accept, h, next_tokens, n, P):
     """One tree speculative step: draft a tree, verify it in one base forward with the tree mask,
     accept the longest path, move its KV entries to the contiguous slots after the prefix.
@@ -49,9 +58,7 @@ def spec_step(model, draft, accept, h, next_tokens, n, P):
     draft_tokens, tree = draft(h, next_tokens, n, P)              # [N]
     N, D = draft_tokens.shape[0], tree.depth
     slots = P + torch.arange(N, device=P.device)
-    # each node sees the prefix, its ancestors and itself; stale slots past P are masked
-    mask = torch.arange(model.max_seq_len, device=P.device)[None, :] < P
-    mask = mask.expand(N, -1).index_copy(1, slots, tree.tree_mask)
+    mask = tree_attention_mask(tree.tree_mask, P, model.max_seq_len)
     logits, _, hidden = model(draft_tokens[None], P + tree.positions, mask, cache_pos=slots, return_hidden=True)
     accept_length, path, next_token = accept(logits[0], draft_tokens, tree)
     path_slots = P + path                                         # [D+1]

@@ -123,6 +123,10 @@ class Eagle(nn.Module):
     def setup_caches(self, max_seq_len: int):
         self.layer.setup_caches(max_seq_len)
 
+    @property
+    def cache_len(self) -> int:
+        return self.layer.max_seq_len
+
     def rows(self, base, feats, tokens):
         return self.fc(torch.cat([base.tok_embeddings(tokens), feats.to(self.fc.weight.dtype)], -1))
 
@@ -244,8 +248,9 @@ def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):
     dev = nodes.device
     S0 = P - n + D + 1
     M = anc.shape[1]
-    mask = torch.arange(head.layer.max_seq_len, device=dev)[None, :] < P
-    mask = mask.expand(nodes.shape[0], -1).index_copy(1, S0 + torch.arange(M, device=dev), anc & (torch.arange(M, device=dev) > 0))
+    j = torch.arange(head.cache_len, device=dev) - S0             # slot -> node id
+    scratch = (j > 0) & (j < M)                                   # the root's row is in the prefix
+    mask = (j < P - S0)[None, :] | (anc[:, j.clamp(0, M - 1)] & scratch[None, :])
     return (P + depth - 1).expand(nodes.shape[0]), S0 + nodes, mask
 
 
