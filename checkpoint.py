@@ -36,7 +36,11 @@ def load_model(checkpoint=None, device="cpu", dtype=torch.float32):
         missing.discard("output.weight")
     if missing:
         raise CheckpointError(f"{folder}: weights missing from the checkpoint: {sorted(missing)[:3]}...")
-    model.load_state_dict(state, strict=False, assign=True)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:
+        lines = [l.strip() for l in str(e).splitlines() if "size mismatch" in l]
+        raise CheckpointError(f"{folder}: the weights do not fit the config: {(lines or [str(e)])[0]}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     return model.to(device=device, dtype=dtype).eval(), Tokenizer(folder)
@@ -98,21 +102,25 @@ def hf_args(cfg: dict, folder, need_arch: bool = True) -> ModelArgs:
     arch = (cfg.get("architectures") or ["?"])[0]
     if need_arch and arch not in HF_ARCHS:
         raise CheckpointError(f"{folder}: architecture {arch} is not supported; supported: {', '.join(sorted(HF_ARCHS))}")
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
-        raise CheckpointError(f"{folder}: rope_scaling {scaling.get('rope_type', scaling.get('type'))} is not "
-                              "supported (only llama3)")
-    n_head = cfg["num_attention_heads"]
-    return ModelArgs(
-        dim=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
-        n_kv_head=cfg.get("num_key_value_heads", n_head), intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_base=cfg.get("rope_theta", 10000.0),
-        rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
-        attn_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-    )
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the scaling here
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in (None, "llama3", "default"):
+        raise CheckpointError(f"{folder}: rope_scaling {kind} is not supported (only llama3)")
+    try:
+        n_head = cfg["num_attention_heads"]
+        return ModelArgs(
+            dim=cfg["hidden_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
+            n_kv_head=cfg.get("num_key_value_heads") or n_head, intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_base=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling if kind == "llama3" else None,
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            attn_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{folder}/config.json lacks {e.args[0]}: is it a complete model config?") from None
 
 
 def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
@@ -189,6 +197,8 @@ def convert_gguf(path: Path) -> Path:
         head_dim=g("rope.dimension_count", g("embedding_length") // n_head),
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)), rope_base=float(g("rope.freq_base", 10000.0)),
         max_seq_len=g("context_length", 4096), tie_embeddings=tie,
+        # Llama 3.1 GGUFs carry their rope scaling as one divisor per frequency
+        rope_freq_factors=raw["rope_freqs.weight"].data.astype("float64").tolist() if "rope_freqs.weight" in raw else None,
     )
 
     def get(name):

@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-import torch._inductor.config
 
 from checkpoint import load_model
 from heads import draft_dynamic, draft_static, load_heads, plan_to, static_plan
@@ -146,6 +145,7 @@ def compile_step(fn, device: str, mode=None):
     if mode is None:
         mode = "reduce-overhead" if device.startswith("cuda") else "max-autotune-no-cudagraphs"
     if not device.startswith("cuda"):
+        import torch._inductor.config
         # Weights become constants the CPU kernels can pre-pack: measured 1.3-1.4x over plain compile.
         torch._inductor.config.freezing = True
     return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)

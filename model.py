@@ -26,6 +26,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_base: float = 100000.0
     rope_scaling: Optional[dict] = None  # Llama 3.x: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_freq_factors: Optional[list] = None  # the same, as llama.cpp stores it: one divisor per frequency
     max_seq_len: int = 8192
     attn_bias: bool = False  # q/k/v bias (Qwen2)
     tie_embeddings: bool = True
@@ -182,6 +183,8 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
         scaled = (1 - smooth) * freqs / factor + smooth * freqs
         freqs = torch.where(wavelen < old_ctx / hi, freqs, torch.where(wavelen > old_ctx / lo, freqs / factor, scaled))
+    if args.rope_freq_factors is not None:
+        freqs = freqs / torch.tensor(args.rope_freq_factors, dtype=torch.float64)
     return freqs
 
 

@@ -1,0 +1,96 @@
+"""generate.py as a user runs it: bad input gets one `error: ...` line and a non-zero exit (never a
+traceback, never silent garbage); the default model answers a question end to end."""
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import build_hf_model, write_hf_folder
+
+# name: what to pass, and what the last line of stderr must say
+BAD_INPUTS = {
+    "missing-checkpoint": "does not exist",
+    "truncated-safetensors": "truncated or corrupt",
+    "truncated-gguf": "truncated or corrupt",
+    "unsupported-architecture": "GPT2LMHeadModel is not supported",
+    "prompt-past-context": "shorten the prompt",
+    "max-new-tokens-past-context": "lower --max_new_tokens",
+    "max-new-tokens-zero": "--max_new_tokens must be at least 1",
+    "unknown-device": "unknown device 'tpu'",
+    "unavailable-device": "device 'cuda' is not available",
+    "unknown-dtype": "invalid choice: 'float8'",
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(run_cli, tmp_path_factory, tiny_ctx64_folder, default_gguf):
+    """Every bad-input run (and one good run on the same tiny folder, the control), started together
+    since each spends most of its few seconds importing torch."""
+    tmp = tmp_path_factory.mktemp("cli")
+    tiny = ["--checkpoint", tiny_ctx64_folder, "--no_chat"]
+
+    truncated_st = write_hf_folder(build_hf_model("llama", num_hidden_layers=1), tmp / "truncated-st")
+    f = truncated_st / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    cut = tmp / "cut.gguf"
+    with open(default_gguf, "rb") as g:
+        cut.write_bytes(g.read(1 << 20))
+
+    gpt2 = tmp / "gpt2"
+    shutil.copytree(tiny_ctx64_folder, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
+
+    runs = {
+        "missing-checkpoint": (["--checkpoint", tmp / "does-not-exist", "--max_new_tokens", 2], None),
+        "truncated-safetensors": (["--checkpoint", truncated_st, "--no_chat", "--max_new_tokens", 2], None),
+        "truncated-gguf": (["--checkpoint", cut, "--max_new_tokens", 2], {"TREESPEC_CACHE": str(tmp / "cache")}),
+        "unsupported-architecture": (["--checkpoint", gpt2, "--no_chat", "--max_new_tokens", 2], None),
+        "prompt-past-context": (tiny + ["--prompt", "x" * 100, "--max_new_tokens", 2], None),
+        "max-new-tokens-past-context": (tiny + ["--prompt", "hello", "--max_new_tokens", 100], None),
+        "max-new-tokens-zero": (tiny + ["--prompt", "hello", "--max_new_tokens", 0], None),
+        "unknown-device": (["--device", "tpu", "--max_new_tokens", 2], None),
+        "unavailable-device": (["--device", "cuda", "--max_new_tokens", 2], None),
+        "unknown-dtype": (["--dtype", "float8", "--max_new_tokens", 2], None),
+        "control": (tiny + ["--prompt", "hello", "--max_new_tokens", 20], None),
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(run_cli, *args, env=env) for name, (args, env) in runs.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    results["cache"] = tmp / "cache"
+    return results
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_clear_error_line(cli_runs, case):
+    r = cli_runs[case]
+    assert r.returncode != 0, f"exit 0 for bad input; stdout: {r.stdout!r}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines, "nothing on stderr"
+    last = lines[-1]
+    # ours: "error: ..."; argparse's (for --dtype): "generate.py: error: ..."
+    assert last.startswith("error:") or (case == "unknown-dtype" and last.startswith("generate.py: error:")), last
+    assert BAD_INPUTS[case] in last, last
+    assert r.returncode == 2
+
+
+def test_truncated_gguf_leaves_nothing_in_the_cache(cli_runs):
+    assert not list(cli_runs["cache"].glob("*/model_args.json")), "a broken conversion was cached"
+
+
+def test_the_same_tiny_model_generates_within_its_context(cli_runs):
+    """The control for the context errors above: a prompt that fits runs."""
+    r = cli_runs["control"]
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "tokens in" in r.stderr
+
+
+def test_paris(run_cli):
+    r = run_cli("--prompt", "What is the capital of France?", "--max_new_tokens", 20, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert any("Paris" in line for line in r.stdout.splitlines()), r.stdout
