@@ -1,0 +1,224 @@
+"""train.py on a tiny random base model: batched self-distillation equals unbatched greedy decoding,
+the data file appends and resumes, each head type trains (loss falls), saves in its official layout,
+loads back with heads.load_heads and drafts for greedy speculative decoding that equals autoregressive
+decoding; --resume continues a run exactly; the draft vocabulary is stored."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import generate
+import heads
+import train
+from checkpoint import load_model
+from conftest import TINY_VOCAB, tiny_tokenizer
+from model import ModelArgs, Transformer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DATA = ["--batch_size", "8", "--max_new_tokens", "48", "--max_user_tokens", "24", "--max_prompt_tokens", "128"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model's ops are microseconds long: on a busy 2-core machine a second thread only waits
+    for the other (measured 0.6 ms a decode step on one thread, up to 70 ms on two)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random base model in our layout, with a byte tokenizer and a ChatML-like template that ends
+    a turn with <|endoftext|> (the eos)."""
+    folder = tmp_path_factory.mktemp("tiny-base")
+    args = ModelArgs(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=TINY_VOCAB, intermediate_size=128,
+                     max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+        model.tok_embeddings.weight.mul_(4)  # (tied lm_head) peaked next-token distributions, like a real model's
+    save_file({k: v for k, v in model.state_dict().items() if k != "output.weight"}, folder / "model.safetensors")
+    (folder / "model_args.json").write_text(json.dumps(args.to_dict()))
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny, tmp_path_factory):
+    """Made by `train.py data` itself: the model invents its prompts and answers them greedily."""
+    path = tmp_path_factory.mktemp("data") / "selfdistill.npz"
+    train.main(["data", "--checkpoint", str(tiny), "--out", str(path), "--tokens", "1500", *DATA])
+    return path
+
+
+def greedy(model, prompt, max_new_tokens, eos_id):
+    """The engine's own unbatched greedy decoding: generate.prefill, ar_step, decode."""
+    model.setup_caches(1, len(prompt) + max_new_tokens)
+    with torch.inference_mode():
+        first, h = generate.prefill(model, torch.tensor(prompt))
+        state = (first, torch.tensor(len(prompt)))
+        return generate.decode(lambda t, p: generate.ar_step(model, t, p), state, int(first), max_new_tokens, eos_id)
+
+
+def test_batched_generation_equals_unbatched(tiny):
+    model, _ = load_model(str(tiny))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
+    new = 40
+    ref = [greedy(model, p, new, None) for p in prompts]
+    # a stop token that row 0 emits in the middle, to see rows stop at their own first stop token
+    stop = ref[0][5]
+    ref_stop = [greedy(model, p, new, stop) for p in prompts]
+    assert len(ref_stop[0]) == ref[0].index(stop) + 1 < new
+    for B in (5, 8):  # a full batch, and one filled up with dummy rows
+        model.setup_caches(B, 30 + new)
+        step = lambda tok, pos, valid, temp: train.batch_step(model, tok, pos, valid, temp)
+        with torch.inference_mode():
+            assert train.generate_batch(model, step, prompts, new, set(), 0.0) == ref
+            assert train.generate_batch(model, step, prompts, new, {stop}, 0.0) == ref_stop
+
+
+def test_data_file(tiny, dataset, tmp_path, capsys):
+    model, tok = load_model(str(tiny))
+    seqs, plens, sources, meta = train.read_data(dataset)
+    with np.load(dataset) as z:
+        assert z["tokens"].dtype == np.uint16
+    answers = [len(s) - p for s, p in zip(seqs, plens)]
+    assert sum(answers) >= 1500 and meta["prompts"] == "invented" and (sources == -1).all()
+    user = tok.encode("<|im_start|>user\n", bos=False)
+    prompts = [s[:p].tolist() for s, p in zip(seqs, plens)]
+    assert len(set(map(tuple, prompts))) == len(prompts), "invented prompts repeat"
+    for s, p in zip(seqs, prompts):
+        assert p[:len(user)] == user and tok.decode(p).endswith("<|im_start|>assistant\n")
+        # the batched, left-padded answer is what the engine's unbatched greedy decoding says
+        assert s[len(p):].tolist() == greedy(model, p, 48, tok.eos_id)
+
+    # rerunning with a higher target appends; with a reached target changes nothing
+    copy = tmp_path / "copy.npz"
+    shutil.copy(dataset, copy)
+    train.main(["data", "--checkpoint", str(tiny), "--out", str(copy), "--tokens", "2000", *DATA])
+    more, more_plens, _, _ = train.read_data(copy)
+    assert len(more) > len(seqs) and sum(len(s) - p for s, p in zip(more, more_plens)) >= 2000
+    assert all(np.array_equal(a, b) for a, b in zip(seqs, more))
+    assert len({tuple(s[:p].tolist()) for s, p in zip(more, more_plens)}) == len(more)
+    before = copy.read_bytes()
+    train.main(["data", "--checkpoint", str(tiny), "--out", str(copy), "--tokens", "2000", *DATA])
+    assert copy.read_bytes() == before
+    assert "already holds" in capsys.readouterr().err
+
+
+def test_data_from_prompts_file(tiny, tmp_path, capsys):
+    _, tok = load_model(str(tiny))
+    texts = ["Name a river.", "What is two plus two?", "Write a haiku about rain."]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "turns": [texts[0], "and another?"]}) + "\n"
+                    + json.dumps({"prompt": texts[1]}) + "\n\n" + json.dumps(texts[2]) + "\n")
+    out = tmp_path / "mine.npz"
+    train.main(["data", "--checkpoint", str(tiny), "--prompts", str(path), "--out", str(out), *DATA])
+    assert "ran out of prompts" in capsys.readouterr().err
+    seqs, plens, sources, meta = train.read_data(out)
+    assert sources.tolist() == [0, 1, 2] and meta["prompts"] == str(path)
+    for s, p, text in zip(seqs, plens, texts):
+        assert s[:p].tolist() == tok.encode(tok.chat([{"role": "user", "content": text}]), bos=False)
+
+    # the evaluation set is refused, under its own path or a copy
+    copy = tmp_path / "spec_bench.jsonl"
+    shutil.copy(path, copy)
+    for bad in [copy] + ([train.BENCHMARK] if train.BENCHMARK.exists() else []):
+        with pytest.raises(SystemExit):
+            train.main(["data", "--checkpoint", str(tiny), "--prompts", str(bad), "--out", str(tmp_path / "x.npz")])
+        assert "Spec-Bench evaluation set" in capsys.readouterr().err
+        assert not (tmp_path / "x.npz").exists()
+
+
+def train_args(tiny, dataset, out, kind, *extra):
+    return ["train", "--head", kind, "--checkpoint", str(tiny), "--data", str(dataset), "--out", str(out),
+            "--batch_size", "4", "--warmup", "3", "--save_every", "0", "--lr", "3e-3", *extra]
+
+
+def speculative_equals_autoregressive(model, head, prompt, new, **spec):
+    eos = None
+    draft, accept, depth, nodes, scratch = generate.speculator(model, head, **spec)
+    generate.setup_caches(model, head, len(prompt) + new + nodes, scratch)
+    sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
+    prompt = torch.tensor(prompt)
+    with torch.inference_mode():
+        first, state = generate.start(model, head, prompt, depth, sampling)
+        out = generate.decode(lambda *s: generate.spec_step(model, draft, accept, *s), state, first, new, eos)
+        steps = generate.decode.steps
+        first, state = generate.start(model, None, prompt, 0, sampling)
+        ref = generate.decode(lambda t, p: generate.ar_step(model, t, p), state, first, new, eos)
+    assert out == ref
+    return (len(out) - 1) / steps
+
+
+@pytest.mark.parametrize("kind,extra", [("medusa", []), ("medusa", ["--shared_lm_head"]), ("hydra", []),
+                                        ("hydra", ["--hydra_prefix"]), ("eagle", []), ("eagle", ["--bf16"])],
+                         ids=["medusa", "medusa-shared-lm-head", "hydra", "hydra++", "eagle", "eagle-bf16"])
+def test_train_head(tiny, dataset, tmp_path, kind, extra):
+    out = tmp_path / kind
+    record = train.main(train_args(tiny, dataset, out, kind, "--steps", "30", *extra))
+    losses = record["losses"]
+    assert len(losses) == 30 and np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5]), losses
+    saved = json.loads((out / "train_record.json").read_text())
+    assert saved["steps"] == 30 and saved["heldout_sequences"] >= 1 and saved["base_model"] == str(tiny)
+    K = 1 if kind == "eagle" else 4
+    assert len(saved["heldout"]["top1"]) == K and all(0 <= a <= b <= 1 for a, b in
+                                                      zip(saved["heldout"]["top1"], saved["heldout"]["top5"]))
+
+    model, _ = load_model(str(tiny))
+    head = heads.load_heads(out, model)
+    assert type(head).__name__.lower() == kind
+    trained = torch.load(out / "ckpt.pt", weights_only=True)["head"]
+    loaded = head.state_dict()
+    assert set(loaded) == set(trained) and all(torch.equal(loaded[k], trained[k]) for k in loaded)
+
+    seqs, plens, _, _ = train.read_data(dataset)
+    taus = [speculative_equals_autoregressive(model, head, seqs[i][:plens[i]].tolist(), 40, tree="tree10")
+            for i in (-1, -2)]
+    if kind == "eagle":
+        speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, dynamic=(3, 3, 8))
+    assert max(taus) > 1.5, taus  # trained heads do get drafts accepted on the model's own text
+
+
+def test_resume_continues_exactly(tiny, dataset, tmp_path, capsys):
+    full, split = tmp_path / "full", tmp_path / "split"
+    train.main(train_args(tiny, dataset, full, "eagle", "--steps", "12"))
+    train.main(train_args(tiny, dataset, split, "eagle", "--steps", "12", "--stop_after", "5"))
+    assert "--resume" in capsys.readouterr().err
+    assert torch.load(split / "ckpt.pt", weights_only=True)["step"] == 5
+    record = train.main(train_args(tiny, dataset, split, "eagle", "--steps", "12", "--resume"))
+    assert record["steps"] == 12 and len(record["losses"]) == 12
+    a = torch.load(full / "ckpt.pt", weights_only=True)["head"]
+    b = torch.load(split / "ckpt.pt", weights_only=True)["head"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, split, "eagle", "--steps", "20", "--resume"))
+    assert "--steps 12" in capsys.readouterr().err
+
+
+def test_draft_vocab(tiny, dataset, tmp_path):
+    out = tmp_path / "dv"
+    record = train.main(train_args(tiny, dataset, out, "medusa", "--steps", "20", "--draft_vocab", "64"))
+    assert np.mean(record["losses"][-5:]) < np.mean(record["losses"][:5])
+    sd = load_file(out / heads.MEDUSA_FILES[0])
+    d2t = sd.pop("d2t")
+    assert d2t.shape == (64,) and torch.equal(d2t, d2t.sort().values)
+    assert sd["0.1.weight"].shape == (64, 64)  # head 0's lm_head over the draft vocab
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
+    # the most frequent answer tokens of the training split
+    seqs, plens, _, _ = train.read_data(dataset)
+    n_train = len(seqs) - record["heldout_sequences"]
+    counts = np.bincount(np.concatenate([s[p:] for s, p in zip(seqs[:n_train], plens[:n_train])]).astype(np.int64),
+                         minlength=TINY_VOCAB)
+    assert counts[d2t.numpy()].min() >= np.delete(counts, d2t.numpy()).max()

@@ -1,0 +1,701 @@
+"""Train draft heads (Medusa, Hydra, EAGLE) for a frozen base model, on text the base model wrote itself.
+
+    python train.py data --out data/selfdistill.npz --tokens 1000000        # the model invents its prompts
+    python train.py data --prompts prompts.jsonl --out data/mine.npz        # or answers yours (turns[0] / prompt)
+    python train.py train --head medusa --data data/selfdistill.npz --out heads/medusa-smollm2
+    python train.py train --head eagle --data data/selfdistill.npz --out heads/eagle-smollm2 --resume
+
+Self-distillation: a head is right when it guesses what the base model will say, so it learns from the
+base model's own greedy answers (what greedy speculative decoding must reproduce), not from human text.
+The data file keeps only token ids (a few MB, kept in the repo); the base model's hidden states are
+recomputed from them while training, one frozen forward a batch.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from checkpoint import DEFAULT_NAME, load_model
+from generate import check_device, compile_step
+from heads import EAGLE_FILES, HYDRA_FILES, MEDUSA_FILES, Eagle, Hydra, Medusa, save_heads
+from model import ModelArgs
+from trees import logits_to_probs, sample
+
+ROOT = Path(__file__).resolve().parent
+BENCHMARK = ROOT.parent / "shared" / "data" / "spec_bench.jsonl"
+
+
+# ---------------------------------------------------------------- the data file
+
+def read_data(path):
+    """-> (sequences: list of int arrays, prompt_lens [N], sources [N], meta dict).
+    Sequence i is prompt + answer; its first prompt_lens[i] tokens are the prompt (no loss there);
+    sources[i] is the line of the prompts file it answers (-1: a prompt the model invented)."""
+    try:
+        with np.load(path) as z:
+            tokens, offsets = z["tokens"], z["offsets"]
+            seqs = [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+            return seqs, z["prompt_lens"].astype(np.int64), z["sources"].astype(np.int64), json.loads(str(z["meta"]))
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"cannot read the data file {path} ({type(e).__name__}: {e}): make it with `train.py data`") from None
+
+
+def write_data(path, seqs, prompt_lens, sources, meta):
+    """One .npz: the concatenated ids (uint16 when the vocab fits), offsets [N+1], prompt_lens, sources, meta."""
+    dtype = np.uint16 if meta["vocab_size"] <= 1 << 16 else np.uint32
+    tokens = np.concatenate(seqs).astype(dtype) if seqs else np.zeros(0, dtype)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+        np.savez_compressed(f, tokens=tokens, offsets=offsets, prompt_lens=np.asarray(prompt_lens, np.int32),
+                            sources=np.asarray(sources, np.int32), meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)  # a kill mid-write leaves the previous file whole
+
+
+# ---------------------------------------------------------------- prompts
+
+def check_not_benchmark(path):
+    p = Path(path)
+    same = BENCHMARK.exists() and p.exists() and os.path.samefile(p, BENCHMARK)
+    if same or "spec_bench" in p.name.lower():
+        raise ValueError(f"{path} is the Spec-Bench evaluation set: heads trained on its prompts would be measured "
+                         "on their own training data. Give other prompts, or none to let the model invent them")
+
+
+def read_prompts(path) -> list:
+    """A JSONL file: {"turns": [first user turn, ...]} (Spec-Bench / MT-bench; turns[0] is used),
+    {"prompt": "..."} or a bare JSON string a line."""
+    check_not_benchmark(path)
+    prompts = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the prompts file {path}: {e.strerror}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{path}:{i}: not a line of JSON") from None
+        if isinstance(obj, str):
+            prompts.append(obj)
+        elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
+            prompts.append(str(obj["turns"][0]))
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        else:
+            raise ValueError(f'{path}:{i}: want {{"turns": ["..."]}} or {{"prompt": "..."}} a line')
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def user_turn(tokenizer):
+    """(prefix ids, stop ids) for the model to write a user message itself: the chat template rendered
+    up to where the user's text goes ('...<|im_start|>user\\n'), and the tokens that end a turn."""
+    mark = "\x00MESSAGE\x00"
+    text = tokenizer.chat([{"role": "user", "content": mark}])
+    head, tail = text.split(mark, 1)
+    prefix = tokenizer.encode(head, bos=False) if head else []
+    stop = {tokenizer.eos_id} - {None}
+    end = tokenizer.encode(tail, bos=False) if tail else []
+    # the template's end-of-turn marker, when it is one special token (<|im_end|>, <|eot_id|>)
+    if end and (t := tokenizer.decode(end[:1])).startswith("<") and t.endswith(">") and len(t) > 2:
+        stop.add(end[0])
+    if not prefix:  # no template: write a document from its start
+        prefix = [tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id]
+    return prefix, stop
+
+
+def encode_prompt(tokenizer, text: str) -> list:
+    # as generate.py feeds a prompt: the chat template, no extra bos
+    return tokenizer.encode(tokenizer.chat([{"role": "user", "content": text}]), bos=False)
+
+
+# ---------------------------------------------------------------- batched generation
+
+def pick(logits, temperature, top_k: int = 0, top_p: float = 1.0):
+    """logits: [B, V] -> tokens [B]. temperature (0: greedy): a float, or under compile a float tensor []
+    so that sampled user turns and greedy answers share one graph (eager, sampling costs as much as
+    48 ms a step at batch 16, greedy 2 ms: only the float skips it)."""
+    if not isinstance(temperature, torch.Tensor):
+        return logits.argmax(-1) if temperature == 0 else sample(logits_to_probs(logits, temperature, top_k, top_p))
+    probs = logits_to_probs(logits / temperature.clamp(min=1e-4), 1.0, top_k, top_p)
+    return torch.where(temperature > 0, sample(probs), logits.argmax(-1))
+
+
+def batch_step(model, tokens, pos, valid, temperature, top_k: int = 0, top_p: float = 1.0):
+    """One decode step for a batch. tokens: [B] each row's last token, not yet in the cache; pos: [1]
+    its slot, the same for every row; valid: bool [B, S] the slots that are not left padding.
+    Returns the next tokens [B]. Static shapes: it compiles once."""
+    S = valid.shape[1]
+    mask = valid & (torch.arange(S, device=valid.device) <= pos)                    # [B, S]
+    logits = model(tokens[:, None], pos, mask[:, None, None, :])[:, -1].float()      # [B, V]
+    return pick(logits, temperature, top_k, top_p)
+
+
+def generate_batch(model, step, prompts, max_new_tokens: int, stop_ids, temperature: float,
+                   top_k: int = 0, top_p: float = 1.0):
+    """Left-padded batched generation over the model's cache of [B, S] (model.setup_caches(B, S)).
+    prompts: up to B lists of ids; step(tokens, pos, valid, temperature: float): batch_step bound to
+    the model (maybe compiled). Returns each row's new tokens, cut after its first stop token.
+    All rows share positions: a row padded by p sits p positions later than it would alone, which RoPE
+    does not see (attention scores depend on relative positions only) as long as padding is masked."""
+    B, S = model.max_batch, model.max_seq_len
+    dev = model.output.weight.device
+    n = len(prompts)
+    rows = list(prompts) + [prompts[0]] * (B - n)  # a full batch: the compiled step has one static shape
+    L = max(len(r) for r in rows)
+    if L + max_new_tokens > S:
+        raise ValueError(f"a prompt of {L} tokens plus {max_new_tokens} new ones does not fit the cache of {S}")
+    idx = torch.tensor([[0] * (L - len(r)) + list(r) for r in rows], device=dev)    # [B, L]
+    first = torch.tensor([L - len(r) for r in rows], device=dev)                     # [B] first real slot
+    slot = torch.arange(S, device=dev)
+    valid = slot[None, :] >= first[:, None]                                          # [B, S]
+    t = torch.arange(L, device=dev)
+    # Prefill: query t sees the row's real slots <= t. A padding query sees only itself, so that no
+    # softmax row is empty: some attention kernels give NaN there, and NaN values cached at padding
+    # slots would leak into real rows through 0 * NaN even where they are masked.
+    causal = slot[None, None, :] <= t[None, :, None]                                # [1, L, S]
+    mask = causal & (valid[:, None, :] | (slot[None, None, :] == t[None, :, None]))  # [B, L, S]
+    temp = float(temperature)
+    tok = pick(model(idx, t, mask[:, None])[:, -1].float(), temp, top_k, top_p)      # [B]
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+    out, done = [tok], torch.isin(tok, stop)
+    for i in range(1, max_new_tokens):
+        if bool(done[:n].all()):  # one host sync a step, small beside the step itself
+            break
+        tok = step(tok, torch.tensor([L + i - 1], device=dev), valid, temp)
+        out.append(tok)
+        done |= torch.isin(tok, stop)
+    new = torch.stack(out, 1)[:n].tolist()                                           # [n, new]
+    return [r[: next((j + 1 for j, x in enumerate(r) if x in stop_ids), len(r))] for r in new]
+
+
+def make_data(args):
+    device = check_device(args.device)
+    prompt_texts = read_prompts(args.prompts) if args.prompts else None  # refuse bad files before loading
+    model, tokenizer = load_model(args.checkpoint, device, getattr(torch, args.dtype))
+    meta = {"format": 1, "base_model": args.checkpoint or DEFAULT_NAME, "vocab_size": model.args.vocab_size,
+            "eos_id": tokenizer.eos_id, "prompts": str(args.prompts) if args.prompts else "invented",
+            "temperature": args.temperature, "prompt_temperature": args.prompt_temperature, "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
+    out = Path(args.out)
+    seqs, plens, sources = [], [], []
+    if out.exists():  # resume: append to what is there
+        seqs, plens, sources, old = read_data(out)
+        for key in ("base_model", "vocab_size", "prompts", "temperature"):
+            if old.get(key) != meta[key]:
+                raise ValueError(f"{out} was made with {key} {old.get(key)!r}, not {meta[key]!r}: "
+                                 "give another --out to start a new file")
+        seqs, plens, sources = list(seqs), list(plens), list(sources)
+    have = sum(len(s) - p for s, p in zip(seqs, plens))  # answer tokens: what the heads learn to predict
+    if have >= args.tokens:
+        print(f"{out} already holds {have} answer tokens (>= --tokens {args.tokens})", file=sys.stderr)
+        return
+
+    B = args.batch_size
+    model.setup_caches(B, args.max_prompt_tokens + args.max_new_tokens)
+    step = lambda tokens, pos, valid, temp: batch_step(model, tokens, pos, valid, temp, 0, args.top_p)
+    if args.compile:
+        compiled = compile_step(step, device)
+        # the temperature as a tensor: one graph for sampled user turns and greedy answers
+        step = lambda tokens, pos, valid, temp: compiled(tokens, pos, valid, torch.tensor(temp, device=device))
+    stop = {tokenizer.eos_id} - {None}
+    torch.manual_seed(args.seed + len(seqs))  # a resumed run draws new prompts
+    seen = {tuple(np.asarray(s[:p]).tolist()) for s, p in zip(seqs, plens)}  # no prompt twice
+    todo, skipped = [], 0
+    if prompt_texts is not None:
+        used = set(sources)
+        for i, text in enumerate(prompt_texts):
+            if i in used:
+                continue
+            ids = encode_prompt(tokenizer, text)
+            if len(ids) > args.max_prompt_tokens:
+                skipped += 1
+                continue
+            todo.append((i, ids))
+    else:
+        prefix, user_stop = user_turn(tokenizer)
+        if len(prefix) + args.max_user_tokens > model.max_seq_len:
+            raise ValueError("--max_user_tokens does not fit: raise --max_prompt_tokens")
+
+    def invent():
+        # the model writes B user turns at --prompt_temperature, then each becomes a chat prompt
+        rows = generate_batch(model, step, [prefix] * B, args.max_user_tokens, user_stop,
+                              args.prompt_temperature, 0, args.top_p)
+        fresh = []
+        for r in rows:
+            text = tokenizer.decode([t for t in r if t not in user_stop]).strip()
+            ids = encode_prompt(tokenizer, text) if text else None
+            if ids and len(ids) <= args.max_prompt_tokens and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                fresh.append((-1, ids))
+        return fresh, sum(map(len, rows))
+
+    bar = tqdm(total=args.tokens, initial=have, unit="tok", desc=f"data -> {out}", dynamic_ncols=True)
+    t0, made, user_tokens, stale = time.perf_counter(), 0, 0, 0
+    try:
+        with torch.inference_mode():
+            while have < args.tokens:
+                if prompt_texts is not None:
+                    if not todo:
+                        print(f"\nran out of prompts in {args.prompts} at {have} answer tokens", file=sys.stderr)
+                        break
+                    batch, todo = todo[:B], todo[B:]
+                else:
+                    while len(todo) < B:
+                        fresh, n = invent()
+                        user_tokens += n
+                        stale = 0 if fresh else stale + 1
+                        if stale >= 20:
+                            raise ValueError("the model wrote no new usable user turn in 20 batches: "
+                                             "raise --prompt_temperature or --max_prompt_tokens")
+                        todo += fresh
+                    batch, todo = todo[:B], todo[B:]
+                answers = generate_batch(model, step, [p for _, p in batch], args.max_new_tokens, stop,
+                                         args.temperature, 0, args.top_p)
+                for (src, p), a in zip(batch, answers):
+                    seqs.append(np.asarray(p + a))
+                    plens.append(len(p))
+                    sources.append(src)
+                    have += len(a)
+                    made += len(a)
+                write_data(out, seqs, plens, sources, meta)  # after every batch: a kill loses one batch
+                rate = made / (time.perf_counter() - t0)
+                bar.update(sum(map(len, answers)))
+                bar.set_postfix(seqs=len(seqs), tok_s=f"{rate:.1f}")
+    except KeyboardInterrupt:
+        print(f"\nstopped; {out} keeps what was made: rerun the same command to continue", file=sys.stderr)
+    bar.close()
+    dt = time.perf_counter() - t0
+    print(f"{made} answer tokens in {dt:.1f} s: {made / max(dt, 1e-9):.1f} tok/s "
+          f"({(made + user_tokens) / max(dt, 1e-9):.1f} tok/s counting the {user_tokens} tokens of invented user "
+          f"turns); {out}: {len(seqs)} sequences, {have} answer tokens"
+          + (f"; skipped {skipped} prompts over --max_prompt_tokens" if skipped else ""), file=sys.stderr)
+
+
+# ---------------------------------------------------------------- heads and their training forward
+
+class NoCache(nn.Module):
+    """Stands in for a KVCache while training: the layer attends over the sequence it is given."""
+
+    def update(self, cache_pos, k, v):
+        return k, v
+
+
+def run_layer(layer, x, freqs_cis):
+    """x: [B, T, dim] -> [B, T, dim]: a CachedLayer's Block (the very weights heads.py runs at decode
+    time) over whole sequences, causal, with no cache."""
+    T = x.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    return layer.block(x, freqs_cis[:T], causal[None, None], torch.arange(T, device=x.device))
+
+
+def make_head(args, base, d2t):
+    """A fresh head for `base`, its output layers over the draft vocab d2t [V'] (None: the full vocab)."""
+    a = base.args
+    W = base.output.weight if d2t is None else base.output.weight[d2t]   # [V', dim]
+    if args.head == "medusa":
+        head = Medusa(a.dim, W.shape[0], args.num_heads, args.num_layers, lm_head=not args.shared_lm_head)
+        if head.lm_head:
+            # as Medusa does: every lm_head starts as the base's, so with its zero-initialised ResBlocks a
+            # head starts out predicting the base's next token, a far better start than random
+            for seq in head.medusa_head:
+                seq[-1].weight.data.copy_(W)
+    elif args.head == "hydra":
+        prefix = ModelArgs(**{**a.to_dict(), "n_layer": 1}) if args.hydra_prefix else None
+        head = Hydra(a.dim, W.shape[0], args.num_heads, args.num_layers, grounded=True, prefix_args=prefix)
+        with torch.no_grad():
+            for k in range(args.num_heads):
+                # the same start as Medusa's: the first block's residual passes the hidden state through
+                # (and drops the embeddings) and the lm_head is the base's
+                res = head.hydra_mlp[k][0].res_connection
+                res.weight.zero_()
+                res.weight[:, :a.dim] = torch.eye(a.dim)
+                res.bias.zero_()
+                head.hydra_lm_head[k].weight.copy_(W)
+                head.hydra_lm_head[k].bias.zero_()
+            if head.prefix is not None:
+                # Hydra++'s prefix layer starts as the identity (zero output projections)
+                head.prefix.block.attention.wo.weight.zero_()
+                head.prefix.block.feed_forward.w2.weight.zero_()
+                head.prefix.block.attention.kv_cache = NoCache()
+    else:
+        head = Eagle(a, bias=True)  # fc and the decoder layer from scratch, as EAGLE trains them
+        head.layer.block.attention.kv_cache = NoCache()
+    return head
+
+
+def num_heads(head) -> int:
+    return 1 if isinstance(head, Eagle) else head.num_heads
+
+
+def head_trunk(head, base, args, h, tokens, train: bool):
+    """What the heads read at position t: [B, T or T-1, dim]. Medusa and Hydra: the base hidden state
+    h_t (Hydra++: after its causal prefix layer and norm). EAGLE: its prediction of h_{t+1}, from row t =
+    (h_t + noise, token t+1) and the rows before it."""
+    if args.head == "eagle":
+        f = h[:, :-1].float()                                                   # [B, T-1, dim]
+        if train and args.noise:
+            # EAGLE's noise exactly: U(-noise/2, noise/2) * 512 / T on the input features only
+            f = f + (torch.rand_like(f) - 0.5) * (args.noise * 512 / h.shape[1])
+        return run_layer(head.layer, head.rows(base, f, tokens[:, 1:]), base.freqs_cis)
+    if args.head == "hydra" and head.prefix is not None:
+        return head.prefix_norm(run_layer(head.prefix, h.float(), base.freqs_cis))
+    return h
+
+
+def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
+    """Head k at every position t whose target, token t+k+2, is an answer token (the base's own next
+    token is t+1; head 0 predicts one past it). feats: head_trunk's output.
+    Returns (logits [N, V'], targets [N] full-vocab ids, sel bool [B, T-k-2], extra loss or None)."""
+    n = tokens.shape[1] - k - 2
+    sel = answer[:, k + 2:]                                                     # [B, n]
+    x = feats[:, :n][sel]                                                       # [N, dim]
+    extra = None
+    if args.head == "medusa":
+        y = head.medusa_head[k](x)
+        logits = y if head.lm_head else F.linear(y, W)
+    elif args.head == "hydra":
+        # teacher forcing: the true tokens t+1 .. t+k+1 stand where decoding has the drafted path
+        embs = [base.tok_embeddings(tokens[:, j:n + j][sel]).float() for j in range(1, k + 2)]
+        logits = head.hydra_lm_head[k](head.hydra_mlp[k](torch.cat([x.float()] + embs, -1)))
+    else:
+        logits = F.linear(x, W)        # the base's lm_head on the predicted feature t+1 -> token t+2
+        extra = F.smooth_l1_loss(x.float(), h[:, 1:n + 1][sel].float())      # regression to the true h_{t+1}
+    return logits, tokens[:, k + 2:][sel], sel, extra
+
+
+def run_batch(head, base, args, tokens, answer, W, d2t, t2d, train: bool):
+    """One batch: the base's hidden states (frozen, no grad, computed once for every head), then each
+    head's loss and top-1/top-5 hits where it predicts an answer token. With train, backpropagates one
+    head at a time, so that only one [N, V] logits tensor lives at once.
+    tokens, answer: [B, T] (answer[b, t]: token t is a self-distilled answer token).
+    Returns (weighted loss, hits1 [K], hits5 [K], counts [K])."""
+    T = tokens.shape[1]
+    amp = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.bf16)  # the heads'
+    with torch.no_grad():
+        base_logits, _, h = base(tokens, torch.arange(T, device=tokens.device), return_hidden=True)  # [B, T, V], [B, T, dim]
+    teacher = args.targets == "teacher" or (args.targets == "auto" and args.head in ("hydra", "eagle"))
+    if not teacher:
+        del base_logits
+    with amp, torch.set_grad_enabled(train):
+        trunk = head_trunk(head, base, args, h, tokens, train)
+    # a shared trunk (EAGLE's layer, Hydra++'s prefix) is cut off here and backpropagated once at the end
+    leaf = trunk.detach().requires_grad_() if train and trunk.requires_grad else trunk
+    K = num_heads(head)
+    total, hits1, hits5, counts = 0.0, [0] * K, [0] * K, [0] * K
+    for k in range(K):
+        with amp, torch.set_grad_enabled(train):
+            logits, targets, sel, extra = head_outputs(head, base, args, k, leaf, tokens, answer, h, W)
+            if logits.shape[0] == 0:
+                continue
+            logp = F.log_softmax(logits.float(), -1)                            # [N, V']
+            tgt = targets if t2d is None else t2d[targets]                      # draft ids, -1: not in it
+            if teacher:
+                # KL(base || head) to the base's distribution at t+k+1 (the soft cross-entropy less the
+                # base's entropy: the same gradient, and 0 at a perfect match); with a draft vocab, that
+                # distribution renormalised over it
+                p = base_logits[:, k + 1:T - 1][sel].float()                    # [N, V]
+                logp_base = F.log_softmax(p if d2t is None else p[:, d2t], -1)
+                loss = F.kl_div(logp, logp_base, log_target=True, reduction="batchmean")
+            else:
+                ok = tgt >= 0
+                loss = F.nll_loss(logp[ok], tgt[ok]) if bool(ok.any()) else logp.sum() * 0
+            if extra is not None:  # EAGLE: regression 1.0, classification 0.1 as in the paper
+                loss = args.v_weight * extra + args.p_weight * loss
+            w = args.head_decay ** k  # Medusa's lambda_k = 0.8^k: far heads are less certain, weigh less
+        if train:
+            (w * loss).backward()
+        total += w * loss.item()
+        top = logits.topk(min(5, logits.shape[-1]), -1).indices == tgt[:, None]   # [N, 5]
+        hits1[k], hits5[k], counts[k] = int(top[:, 0].sum()), int(top.any(1).sum()), logits.shape[0]
+    if leaf is not trunk and leaf.grad is not None:
+        trunk.backward(leaf.grad)
+    return total, hits1, hits5, counts
+
+
+# ---------------------------------------------------------------- training
+
+def make_batch(seqs, plens, ids, B: int, device):
+    """Right-padded [B, T] tokens and answer mask; missing rows (a short last batch) are all padding."""
+    T = max(len(seqs[i]) for i in ids)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    answer = torch.zeros(B, T, dtype=torch.bool)
+    for r, i in enumerate(ids):
+        s = seqs[i]
+        tokens[r, :len(s)] = torch.from_numpy(s.astype(np.int64))
+        answer[r, plens[i]:len(s)] = True
+    return tokens.to(device), answer.to(device)
+
+
+def epoch_batches(lengths, train_ids, B: int, seed: int, epoch: int) -> list:
+    """This epoch's batches: shuffled, then sorted by length within windows of 32 batches (little
+    padding, still random), in shuffled order. Depends only on (seed, epoch): --resume finds its place."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = [train_ids[i] for i in torch.randperm(len(train_ids), generator=g).tolist()]
+    batches = []
+    for w in range(0, len(order), 32 * B):
+        window = sorted(order[w:w + 32 * B], key=lambda i: lengths[i])
+        batches += [window[j:j + B] for j in range(0, len(window), B)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def lr_at(step: int, total: int, warmup: int, lr: float, min_ratio: float = 0.1) -> float:
+    # linear warmup, then cosine down to min_ratio * lr
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def draft_vocab(seqs, plens, ids, V: int, size: int):
+    """The `size` most frequent answer tokens of the training split (FR-Spec / EAGLE-3): d2t [V'] maps a
+    draft id to its token (ascending ids), t2d [V] maps back (-1: not in the draft vocab)."""
+    if not 0 < size < V:
+        raise ValueError(f"--draft_vocab must be between 1 and the vocab size {V}, got {size}")
+    counts = np.zeros(V, np.int64)
+    for i in ids:
+        counts += np.bincount(seqs[i][plens[i]:].astype(np.int64), minlength=V)
+    d2t = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:size]))
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(size)
+    return d2t, t2d
+
+
+# what a checkpoint's run must share with the run that resumes it
+RESUME_KEYS = ("head", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "draft_vocab", "targets",
+               "data", "checkpoint", "batch_size", "max_len", "holdout", "seed", "epochs", "steps", "lr", "warmup")
+
+
+def train(args):
+    device = check_device(args.device)
+    torch.manual_seed(args.seed)
+    # --bf16: the frozen base runs in bf16 (as decoding with --dtype bfloat16 does; its static cache
+    # takes one dtype, so no autocast there) and the heads under autocast with fp32 weights
+    base, _ = load_model(args.checkpoint, device, torch.bfloat16 if args.bf16 else torch.float32)
+    base.requires_grad_(False)
+    base_name = args.checkpoint or DEFAULT_NAME
+    seqs, plens, _, meta = read_data(args.data)
+    if "spec_bench" in str(meta.get("prompts", "")).lower():
+        raise ValueError(f"{args.data} answers Spec-Bench prompts: never train on the evaluation set")
+    if meta.get("vocab_size") != base.args.vocab_size:
+        raise ValueError(f"{args.data} holds tokens of a vocab of {meta.get('vocab_size')}, the base model has "
+                         f"{base.args.vocab_size}: make the data with this base model")
+    if meta.get("base_model") != base_name:
+        print(f"warning: {args.data} was written by {meta.get('base_model')}, training for {base_name}",
+              file=sys.stderr)
+    seqs = [s[:args.max_len] for s in seqs]
+    plens = [min(int(p), len(s)) for p, s in zip(plens, seqs)]
+    N = len(seqs)
+    n_hold = max(1, round(N * args.holdout)) if N > 1 and args.holdout > 0 else 0
+    train_ids, hold_ids = list(range(N - n_hold)), list(range(N - n_hold, N))  # held out: the last sequences
+    if not train_ids:
+        raise ValueError(f"{args.data} holds no sequences: make data with `train.py data`")
+    lengths = [len(s) for s in seqs]
+
+    d2t = t2d = None
+    if args.draft_vocab:
+        d2t, t2d = draft_vocab(seqs, plens, train_ids, base.args.vocab_size, args.draft_vocab)
+        d2t, t2d = d2t.to(device), t2d.to(device)
+    head = make_head(args, base, d2t).to(device)
+    W = base.output.weight if d2t is None else base.output.weight[d2t]          # [V', dim], frozen
+    lr = args.lr or {"medusa": 1e-3, "hydra": 1e-3, "eagle": 3e-4}[args.head]
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                            weight_decay=args.weight_decay)
+    B = args.batch_size
+    per_epoch = math.ceil(len(train_ids) / B)
+    total = args.steps or args.epochs * per_epoch
+    out = Path(args.out)
+    ckpt_path = out / "ckpt.pt"
+    step, elapsed, losses = 0, 0.0, []
+    if args.resume:
+        if not ckpt_path.exists():
+            raise ValueError(f"--resume: no checkpoint {ckpt_path}")
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        differ = [k for k in RESUME_KEYS if ckpt["args"].get(k) != vars(args).get(k)]
+        if differ:
+            raise ValueError(f"--resume: {ckpt_path} was made with other settings ("
+                             + ", ".join(f"--{k} {ckpt['args'].get(k)}" for k in differ) + "): use those")
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["opt"])
+        torch.set_rng_state(ckpt["rng"])
+        step, elapsed, losses = ckpt["step"], ckpt["elapsed"], ckpt["losses"]
+        print(f"resuming {ckpt_path} at step {step} of {total}", file=sys.stderr)
+    elif ckpt_path.exists():
+        print(f"note: starting over, {ckpt_path} will be overwritten (--resume continues it)", file=sys.stderr)
+
+    def save_checkpoint():
+        out.mkdir(parents=True, exist_ok=True)
+        state = {"step": step, "elapsed": elapsed + time.perf_counter() - t0, "losses": losses,
+                 "head": head.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                 "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
+        torch.save(state, ckpt_path.with_name("ckpt.pt.tmp"))
+        os.replace(ckpt_path.with_name("ckpt.pt.tmp"), ckpt_path)
+
+    base.setup_caches(B, max(lengths))  # the frozen forward writes a cache; one, sized for the longest
+    stop_at = min(total, args.stop_after) if args.stop_after else total
+    K = num_heads(head)
+    recent = []  # (hits1, counts) of the last steps, for the progress bar
+    bar = tqdm(total=total, initial=step, desc=f"train {args.head}", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    batches = None
+    head.train()
+    try:
+        while step < stop_at:
+            if batches is None or step % per_epoch == 0:
+                batches = epoch_batches(lengths, train_ids, B, args.seed, step // per_epoch)
+            tokens, answer = make_batch(seqs, plens, batches[step % per_epoch], B, device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, args.warmup, lr)
+            loss, h1, _, n = run_batch(head, base, args, tokens, answer, W, d2t, t2d, train=True)
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            losses.append(loss)
+            recent = (recent + [(h1, n)])[-50:]
+            acc = [sum(r[0][k] for r in recent) / max(1, sum(r[1][k] for r in recent)) for k in range(K)]
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}",
+                            top1=" ".join(f"{a:.2f}" for a in acc))
+            if args.save_every and step % args.save_every == 0:
+                save_checkpoint()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {step}", file=sys.stderr)
+    bar.close()
+    save_checkpoint()
+    if step < total:
+        print(f"stopped at step {step} of {total}; {ckpt_path} saved: continue with the same command and --resume",
+              file=sys.stderr)
+
+    # held-out accuracy: the last sequences of the data, never trained on
+    head.eval()
+    hits1, hits5, counts = [0] * K, [0] * K, [0] * K
+    with torch.no_grad():
+        for j in range(0, len(hold_ids), B):
+            tokens, answer = make_batch(seqs, plens, hold_ids[j:j + B], B, device)
+            _, a, b, c = run_batch(head, base, args, tokens, answer, W, d2t, t2d, train=False)
+            hits1 = [x + y for x, y in zip(hits1, a)]
+            hits5 = [x + y for x, y in zip(hits5, b)]
+            counts = [x + y for x, y in zip(counts, c)]
+    top1 = [round(h / max(1, c), 4) for h, c in zip(hits1, counts)]
+    top5 = [round(h / max(1, c), 4) for h, c in zip(hits5, counts)]
+
+    save_heads(head, out, base_model=base_name)
+    if d2t is not None:
+        add_draft_vocab(out, args.head, d2t)
+    n_curve = min(20, len(losses))
+    chunk = len(losses) / max(1, n_curve)
+    record = {
+        "base_model": base_name, "head": args.head, "num_heads": K,
+        "data": str(args.data), "data_sequences": N, "data_tokens": int(sum(lengths)),
+        "data_answer_tokens": int(sum(l - p for l, p in zip(lengths, plens))),
+        "train_sequences": len(train_ids), "heldout_sequences": len(hold_ids),
+        "steps": step, "total_steps": total, "time_s": round(elapsed + time.perf_counter() - t0, 1),
+        "loss_curve": [round(sum(losses[int(i * chunk):int((i + 1) * chunk)]) / max(1, int((i + 1) * chunk) - int(i * chunk)), 4)
+                       for i in range(n_curve)],
+        "heldout": {"positions": counts, "top1": top1, "top5": top5},
+        "draft_vocab": args.draft_vocab or None,
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+    }
+    (out / "train_record.json").write_text(json.dumps(record, indent=1))
+    print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}", file=sys.stderr)
+    return {**record, "losses": losses}
+
+
+def add_draft_vocab(folder: Path, kind: str, d2t):
+    """Stores d2t [V'] (draft id -> token id) beside the weights and draft_vocab_size in config.json.
+    heads.load_heads does not read them yet."""
+    from safetensors.torch import load_file, save_file
+    f = folder / {"medusa": MEDUSA_FILES, "hydra": HYDRA_FILES, "eagle": EAGLE_FILES}[kind][0]
+    sd = load_file(f)
+    sd["d2t"] = d2t.cpu().long()
+    save_file(sd, f)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["draft_vocab_size"] = int(d2t.numel())
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("data", help="self-distilled training text: the base model answers prompts (or invents them)")
+    d.add_argument("--out", default="data/selfdistill.npz", help="the .npz to write; an existing one is appended to")
+    d.add_argument("--prompts", default=None, help="JSONL of prompts ({'turns': [...]} uses turns[0], or "
+                                                   "{'prompt': ...}); default: the model invents them")
+    d.add_argument("--tokens", type=int, default=1_000_000, help="stop once the file holds this many answer tokens")
+    d.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--batch_size", type=int, default=16)
+    d.add_argument("--max_new_tokens", type=int, default=512, help="answer length cap")
+    d.add_argument("--max_prompt_tokens", type=int, default=256, help="longer prompts are skipped")
+    d.add_argument("--max_user_tokens", type=int, default=128, help="length cap of an invented user turn")
+    d.add_argument("--temperature", type=float, default=0.0, help="answers: 0 = greedy, what greedy decoding says")
+    d.add_argument("--prompt_temperature", type=float, default=1.0, help="invented user turns")
+    d.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling where sampling")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--compile", action="store_true", help="compile the batched decode step (static shapes)")
+
+    t = sub.add_parser("train", help="train draft heads on a frozen base model")
+    t.add_argument("--head", required=True, choices=["medusa", "hydra", "eagle"])
+    t.add_argument("--data", default="data/selfdistill.npz")
+    t.add_argument("--out", required=True, help="heads folder: official layout, train_record.json, ckpt.pt")
+    t.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    t.add_argument("--num_heads", type=int, default=4, help="Medusa/Hydra heads (the named trees are 4 deep)")
+    t.add_argument("--num_layers", type=int, default=1, help="Medusa ResBlocks / Hydra MLP blocks per head")
+    t.add_argument("--shared_lm_head", action="store_true", help="Medusa: heads share the base's lm_head (MLC-LLM)")
+    t.add_argument("--hydra_prefix", action="store_true", help="Hydra++: a decoder layer over the hidden states first")
+    t.add_argument("--targets", default="auto", choices=["auto", "tokens", "teacher"],
+                   help="tokens: cross-entropy to the data's tokens; teacher: to the base's distribution; "
+                        "auto: tokens for Medusa, teacher for Hydra and EAGLE")
+    t.add_argument("--head_decay", type=float, default=0.8, help="head k's loss weight is head_decay^k")
+    t.add_argument("--noise", type=float, default=0.2, help="EAGLE: uniform input noise U(-n/2, n/2) * 512 / T")
+    t.add_argument("--v_weight", type=float, default=1.0, help="EAGLE: feature regression (smooth L1) weight")
+    t.add_argument("--p_weight", type=float, default=0.1, help="EAGLE: token loss weight")
+    t.add_argument("--draft_vocab", type=int, default=0, help="predict over the V' most frequent tokens (0: all)")
+    t.add_argument("--batch_size", type=int, default=8, help="sequences a step")
+    t.add_argument("--max_len", type=int, default=1024, help="longer sequences are cut")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--steps", type=int, default=0, help="total steps (0: --epochs over the data)")
+    t.add_argument("--lr", type=float, default=None, help="default 1e-3 (Medusa, Hydra), 3e-4 (EAGLE)")
+    t.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then cosine to lr/10")
+    t.add_argument("--weight_decay", type=float, default=0.0)
+    t.add_argument("--grad_clip", type=float, default=1.0)
+    t.add_argument("--holdout", type=float, default=0.05, help="the last fraction of sequences, for accuracy")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--bf16", action="store_true", help="the base in bfloat16, the heads under bfloat16 autocast "
+                                                       "(their weights stay fp32)")
+    t.add_argument("--save_every", type=int, default=500, help="checkpoint every N steps (and at the end)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--stop_after", type=int, default=0, help="stop (checkpointed) after step N; --resume later")
+
+    args = p.parse_args(argv)
+    try:
+        return make_data(args) if args.command == "data" else train(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
