@@ -76,7 +76,8 @@ def decode(step, state, first_token: int, max_new_tokens: int, eos_id=None, on_t
         on_tokens(out)
     while len(out) < max_new_tokens and out[-1] != eos_id:
         tokens, count, state = step(*state)
-        new = tokens[: int(count)].tolist()
+        count, *tokens = torch.cat([count.view(1), tokens]).tolist()  # the one host sync
+        new = tokens[:count]
         decode.steps += 1
         if eos_id in new:
             new = new[: new.index(eos_id) + 1]
