@@ -166,13 +166,16 @@ class Hydra(nn.Module):
     extra decoder layer (and final norm) over the base hidden states, with its own KV cache."""
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 grounded: bool = True, prefix_args: Optional[ModelArgs] = None):
+                 grounded: bool = True, prefix_args: Optional[ModelArgs] = None, dropout: float = 0.0):
         super().__init__()
         self.num_heads, self.grounded = num_heads, grounded
+        # Dropout slots (a no-op in eval) keep the official key names: hydra_mlp.{i}.{2j+1}, hydra_lm_head.{i}.1
         self.hydra_mlp = nn.ModuleList(
-            nn.Sequential(HydraBlock(dim, i + 1 if grounded else 0), *[HydraBlock(dim) for _ in range(num_layers - 1)])
+            nn.Sequential(*[m for j in range(num_layers)
+                            for m in (nn.Dropout(dropout), HydraBlock(dim, i + 1 if grounded and j == 0 else 0))])
             for i in range(num_heads))
-        self.hydra_lm_head = nn.ModuleList(nn.Linear(dim, vocab_size) for _ in range(num_heads))
+        self.hydra_lm_head = nn.ModuleList(nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, vocab_size))
+                                           for _ in range(num_heads))
         self.prefix = CachedLayer(prefix_args) if prefix_args else None
         self.prefix_norm = RMSNorm(dim, prefix_args.norm_eps) if prefix_args else None
         self.needs_attn = False
@@ -346,6 +349,10 @@ def load_heads(path, base, head_type: Optional[str] = None):
         arch = cfg.get("hydra_head_arch", "mlp")
         if arch not in ("mlp", "prefix-mlp"):
             raise HeadError(f"{folder}: hydra_head_arch {arch} is not supported (mlp or prefix-mlp)")
+        w = sd.get("hydra_mlp.0.1.linear.weight")
+        if w is not None and w.shape[0] != dim:
+            raise HeadError(f"{folder}: Hydra head is for hidden size {w.shape[0]}, the base model has {dim}: "
+                            "use heads trained for this base model")
         prefix = None
         if arch == "prefix-mlp":
             prefix = ModelArgs(**{**base.args.to_dict(), "n_layer": 1})
@@ -380,7 +387,7 @@ def save_heads(head, folder, base_model: str = ""):
                "base_model_name_or_path": base_model}
         save_file({k.removeprefix("medusa_head."): v for k, v in sd.items()}, folder / MEDUSA_FILES[0])
     elif isinstance(head, Hydra):
-        cfg = {"hydra_num_heads": head.num_heads, "hydra_num_layers": len(head.hydra_mlp[0]),
+        cfg = {"hydra_num_heads": head.num_heads, "hydra_num_layers": len(head.hydra_mlp[0]) // 2,
                "hydra_head_arch": "prefix-mlp" if head.prefix else "mlp", "grounded_heads": head.grounded,
                "base_model_name_or_path": base_model}
         out = {k: v for k, v in sd.items() if not k.startswith("prefix")}
@@ -408,7 +415,11 @@ def _hf_layer(sd, p, o, args, input_norm=True):
         if k not in sd:
             raise HeadError(f"weight {k} is missing from the head checkpoint")
         return sd[k]
-    return hf_block(get, p, o, args, input_norm)
+    try:
+        return hf_block(get, p, o, args, input_norm)
+    except RuntimeError:  # a q/k weight that does not reshape into this model's heads
+        raise HeadError(f"{p} weights do not fit a layer of hidden size {args.dim} ({args.n_head} heads of "
+                        f"{args.head_dim}): use heads trained for this base model") from None
 
 
 def _ours_layer(sd, o, p, args, input_norm=True):

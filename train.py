@@ -322,12 +322,12 @@ def make_head(args, base, d2t):
             for k in range(args.num_heads):
                 # the same start as Medusa's: the first block's residual passes the hidden state through
                 # (and drops the embeddings) and the lm_head is the base's
-                res = head.hydra_mlp[k][0].res_connection
+                res = head.hydra_mlp[k][1].res_connection
                 res.weight.zero_()
                 res.weight[:, :a.dim] = torch.eye(a.dim)
                 res.bias.zero_()
-                head.hydra_lm_head[k].weight.copy_(W)
-                head.hydra_lm_head[k].bias.zero_()
+                head.hydra_lm_head[k][1].weight.copy_(W)
+                head.hydra_lm_head[k][1].bias.zero_()
             if head.prefix is not None:
                 # Hydra++'s prefix layer starts as the identity (zero output projections)
                 head.prefix.block.attention.wo.weight.zero_()

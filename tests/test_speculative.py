@@ -1,0 +1,607 @@
+"""Tree speculative decoding end to end: greedy speculative output equals greedy autoregressive output
+token for token (every head type, static and dynamic trees, random heads and a test-only oracle
+drafter that makes long accepted paths), in fp32, in bf16 (divergence only at bf16 near-ties) and
+compiled; tree verification and cache compaction against sequential decoding; and lossless tree
+speculative sampling against the base model's exact distribution."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import generate as G
+import heads as H
+import trees as T
+from model import ModelArgs, Transformer
+
+# ---------------------------------------------------------------- shared helpers
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these tests run many small ops, and on a CPU shared with other jobs
+    OpenMP workers spin-wait and thrash (measured: this module 2x to 10x slower with 2 threads on
+    2 shared cores); on an idle machine one thread costs at most about 1.5x on the big forwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+PROMPTS = {  # varied: questions, code, a list, a story, math
+    "capital": "What is the capital of France?",
+    "reverse": "Write a Python function that reverses a string.",
+    "fruits": "List five fruits that are red.",
+    "cat": "Tell me a short story about a brave cat.",
+    "mult": "What is 17 times 23? Show your work.",
+    "sky": "Explain why the sky is blue.",
+    "haiku": "Write a haiku about autumn leaves.",
+    "sort": "How do I sort a list of dictionaries by a key in Python?",
+    "tips": "Give me three tips for learning a new language.",
+    "solve": "Solve for x: 2x + 6 = 14.",
+}
+REF_LEN = 40  # greedy autoregressive tokens cached per prompt (eos not applied: the oracle reads past it)
+
+
+def randomize(head: nn.Module, seed: int) -> nn.Module:
+    """Random weights everywhere (the constructors zero-init the ResBlocks, which would make Medusa
+    a plain copy of the hidden state)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            nn.init.normal_(p, std=0.02, generator=g)
+    return head.eval()
+
+
+def make_head(kind: str, args: ModelArgs, seed: int = 0, num_heads: int = 4) -> nn.Module:
+    one_layer = ModelArgs(**{**args.to_dict(), "n_layer": 1})
+    if kind == "medusa":
+        head = H.Medusa(args.dim, args.vocab_size, num_heads)
+    elif kind == "medusa-shared":  # MLC-LLM style: the base lm_head
+        head = H.Medusa(args.dim, args.vocab_size, num_heads, lm_head=False)
+    elif kind == "hydra":
+        head = H.Hydra(args.dim, args.vocab_size, num_heads)
+    elif kind == "hydra++":
+        head = H.Hydra(args.dim, args.vocab_size, num_heads, prefix_args=one_layer)
+    elif kind == "eagle":
+        head = H.Eagle(one_layer)
+    else:
+        raise ValueError(kind)
+    return randomize(head, seed)
+
+
+class Oracle(nn.Module):
+    """Test-only drafter with a high acceptance rate. It runs the real head's begin/expand (so the
+    head's cache and state paths are exercised, EAGLE's catch-up over accepted paths of length up to
+    depth+1 included) and adds a large bonus to the logits of the TRUE next token, read from the
+    autoregressive reference `truth` (prompt + generated tokens, past eos): the root sits at position
+    P, so the children of nodes at depth d are truth[P + d + 1] (clamped past the end).
+    Seeded corruption: at each (P, depth), with prob p_wrong the bonus goes to a wrong token, so the
+    accepted length varies. Only tensor ops, so that it also runs under torch.compile(fullgraph=True);
+    `truth` is a fixed-size buffer refilled in place (set_truth) so one graph serves every prompt."""
+
+    def __init__(self, inner: nn.Module, vocab_size: int, p_wrong: float = 0.25, seed: int = 0,
+                 bonus: float = 1000.0, max_len: int = 1024, max_depth: int = 16):
+        super().__init__()
+        self.inner, self.vocab_size, self.bonus = inner, vocab_size, bonus
+        g = torch.Generator().manual_seed(seed)
+        self.wrong = torch.rand(max_len, max_depth, generator=g) < p_wrong           # bias a wrong token?
+        self.offset = torch.randint(1, vocab_size, (max_len, max_depth), generator=g)  # which (never the truth)
+        self.truth = torch.zeros(max_len, dtype=torch.long)
+        self.P = None
+
+    def set_truth(self, tokens):
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        self.truth.copy_(torch.cat([tokens, tokens[-1:].expand(len(self.truth) - len(tokens))]))
+        return self
+
+    @property
+    def needs_attn(self):
+        return self.inner.needs_attn
+
+    @property
+    def cache_len(self):
+        return self.inner.cache_len
+
+    @property
+    def num_heads(self):  # AttributeError for EAGLE, as for the bare head: speculator's getattr default
+        return self.inner.num_heads
+
+    def setup_caches(self, max_seq_len):
+        self.inner.setup_caches(max_seq_len)
+
+    def prefill(self, base, h, next_tokens):
+        self.inner.prefill(base, h, next_tokens)
+
+    def begin(self, base, h, next_tokens, n, P):
+        logits, state = self.inner.begin(base, h, next_tokens, n, P)
+        self.P = P
+        return self._bias(logits, 0), state
+
+    def expand(self, base, depth, parent_state, tokens, attn):
+        logits, state = self.inner.expand(base, depth, parent_state, tokens, attn)
+        return self._bias(logits, depth), state
+
+    def _bias(self, logits, depth: int):
+        # index_select with a [1] index: indexing with a 0-dim tensor would read it on the host
+        i = (self.P + depth + 1).clamp(max=self.truth.shape[0] - 1).reshape(1)
+        tok = self.truth.index_select(0, i)
+        wrong = self.wrong[:, depth].index_select(0, i)
+        tok = torch.where(wrong, (tok + self.offset[:, depth].index_select(0, i)) % self.vocab_size, tok)
+        return logits + self.bonus * F.one_hot(tok, self.vocab_size).to(logits.dtype)  # [1, V]: every row
+
+
+def spec_decode(model, head, prompt, max_new, eos=None, tree="tree16", dynamic=None, acceptance="greedy",
+                temperature=0.0, cache_len=None, step_wrapper=None):
+    """Speculative decode with the cache sized exactly prompt + max_new + tree nodes (the minimum).
+    Returns (new tokens, per-step [(tokens[:count] list, count)])."""
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic, acceptance, temperature)
+    G.setup_caches(model, head, cache_len or len(prompt) + max_new + nodes, scratch)
+    steps = []
+
+    def step(h, t, n, P):
+        tokens, count, state = G.spec_step(model, draft, accept, h, t, n, P)
+        steps.append((tokens[: int(count)].tolist(), int(count)))
+        return tokens, count, state
+
+    first, state = G.start(model, head, prompt, depth, dict(temperature=temperature))
+    out = G.decode(step_wrapper(step) if step_wrapper else step, state, first, max_new, eos)
+    return out, steps
+
+
+def ar_decode(model, prompt, max_new, eos=None):
+    G.setup_caches(model, None, len(prompt) + max_new + 1)
+    first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
+    return G.decode(lambda t, p: G.ar_step(model, t, p), state, first, max_new, eos)
+
+
+def cut(tokens, max_new, eos):
+    """What decode returns given the full greedy continuation: up to max_new tokens, through eos."""
+    tokens = tokens[:max_new]
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def tau(out, steps):
+    return (len(out) - 1) / max(len(steps), 1)
+
+
+def eos_inside_path(steps, eos):
+    """Did a step emit eos with accepted tokens after it (eos inside an accepted path)?"""
+    return any(eos in toks and toks.index(eos) < count - 1 for toks, count in steps)
+
+
+def cut_inside_path(out, steps, max_new, eos):
+    """Did max_new stop the run inside the last step's accepted path (not at an eos): were an accepted
+    draft token and the bonus token after it dropped?"""
+    emitted = 1 + sum(c for _, c in steps)
+    return len(out) == max_new and eos not in out and emitted - max_new >= 2
+
+
+@pytest.fixture(scope="module")
+def smol(default_model):
+    """The default model (fp32) with its prompts, AR references computed once per prompt, and random
+    heads built once per kind."""
+    model, tok = default_model
+    refs, heads = {}, {}
+
+    def prompt(name):
+        return torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPTS[name]}]), bos=False))
+
+    def ref(name):
+        """Greedy AR continuation of REF_LEN tokens, past eos; truth = prompt + continuation."""
+        if name not in refs:
+            with torch.inference_mode():
+                refs[name] = ar_decode(model, prompt(name), REF_LEN)
+        return refs[name]
+
+    def head(kind):
+        if kind not in heads:
+            heads[kind] = make_head(kind, model.args, seed=["medusa", "hydra", "hydra++", "eagle"].index(kind) + 1)
+        return heads[kind]
+
+    return SimpleNamespace(model=model, tok=tok, eos=tok.eos_id, prompt=prompt, ref=ref, head=head)
+
+
+# ---------------------------------------------------------------- 1. exactness, fp32, default model
+
+DYN = (4, 4, 16)
+
+
+def test_eagle_static_oracle_equals_autoregressive_over_ten_prompts(smol):
+    """EAGLE, tree16, oracle drafter: 10 prompts x 30 to 34 tokens, each with the cache sized exactly
+    prompt + max_new + nodes. At least one reference hits eos inside an accepted path, and at least
+    one run is cut by max_new inside an accepted path."""
+    model, eos = smol.model, smol.eos
+    oracle = Oracle(smol.head("eagle"), model.args.vocab_size, seed=1)
+    n_tokens = n_steps = 0
+    eos_inside = cut_inside = 0
+    for i, name in enumerate(PROMPTS):
+        prompt, ref = smol.prompt(name), smol.ref(name)
+        max_new = 30 + i % 5
+        oracle.set_truth(prompt.tolist() + ref)
+        with torch.inference_mode():
+            out, steps = spec_decode(model, oracle, prompt, max_new, eos)
+        assert out == cut(ref, max_new, eos), name
+        n_tokens, n_steps = n_tokens + len(out) - 1, n_steps + len(steps)
+        eos_inside += eos_inside_path(steps, eos)
+        cut_inside += cut_inside_path(out, steps, max_new, eos)
+    print(f"EAGLE tree16 oracle: tau {n_tokens / n_steps:.2f} over {n_tokens} tokens, {n_steps} steps; "
+          f"eos inside a path in {eos_inside} runs, max_new cut inside a path in {cut_inside}")
+    assert n_tokens >= 200
+    assert n_tokens / n_steps >= 2.5
+    assert eos_inside >= 1, "no reference hit eos inside an accepted path: change a prompt or the seed"
+    assert cut_inside >= 1
+
+
+# (head kind, tree, dynamic, oracle, prompts, max_new)
+COMBOS = [
+    ("medusa", "tree16", None, True, ["reverse", "fruits"], 32),
+    ("hydra", "tree16", None, True, ["cat", "mult"], 32),
+    ("hydra++", "tree16", None, True, ["sky", "haiku"], 32),
+    ("medusa", "mc_sim_7b_63", None, True, ["sort"], 32),
+    ("eagle", None, DYN, True, ["tips", "solve"], 32),
+    ("hydra", None, DYN, True, ["reverse", "cat"], 32),
+    ("medusa", "tree16", None, False, ["capital"], 10),
+    ("hydra", "tree16", None, False, ["fruits"], 10),
+    ("hydra++", "tree16", None, False, ["mult"], 10),
+    ("eagle", "tree16", None, False, ["sky"], 10),
+    ("eagle", None, DYN, False, ["haiku"], 10),
+    ("medusa", None, DYN, False, ["sort"], 10),
+]
+
+
+@pytest.mark.parametrize("kind,tree,dynamic,oracle,names,max_new", COMBOS,
+                         ids=[f"{c[0]}-{c[1] or 'dynamic'}-{'oracle' if c[3] else 'random'}" for c in COMBOS])
+def test_greedy_speculative_equals_autoregressive(smol, kind, tree, dynamic, oracle, names, max_new):
+    model, eos = smol.model, smol.eos
+    head = smol.head(kind)
+    if oracle:
+        head = Oracle(head, model.args.vocab_size, seed=len(kind))
+    n_tokens = n_steps = 0
+    for name in names:
+        prompt, ref = smol.prompt(name), smol.ref(name)
+        if oracle:
+            head.set_truth(prompt.tolist() + ref)
+        with torch.inference_mode():
+            out, steps = spec_decode(model, head, prompt, max_new, eos, tree=tree or "tree16", dynamic=dynamic)
+        assert out == cut(ref, max_new, eos), name
+        n_tokens, n_steps = n_tokens + len(out) - 1, n_steps + len(steps)
+    t = n_tokens / n_steps
+    print(f"{kind} {tree or dynamic} {'oracle' if oracle else 'random'}: tau {t:.2f} over {n_tokens} tokens")
+    if oracle:
+        assert t >= 2.5  # long accepted paths were verified and compacted
+    else:
+        assert t <= 1.3  # a random head is (almost) never right
+
+
+# ---------------------------------------------------------------- 2. bf16
+
+def test_bf16_eagle_oracle_diverges_only_at_bf16_near_ties(smol):
+    """bf16 base model and head, EAGLE tree16 with the oracle. The tree forward (16 tokens) and the AR
+    forward (1 token) round differently, so greedy outputs may part where the top-2 logits are within
+    bf16 rounding. Where they part, the margin between the top two logits of an fp32 forward of the
+    same (bf16) weights over the common prefix must be within
+        BOUND = 4 * 2**-7 * max(|top1|, 1),
+    i.e. 4 ulps of the top logit: bf16 keeps 8 significant bits, so one ulp of x is at most 2**-7 |x|
+    and one rounding moves a value by half an ulp. The bf16 logits are rounded once at the end (two
+    logits one ulp apart may come out tied or swapped), and the residual stream is rounded after each
+    of 30 layers, with a different matmul blocking and attention width in the two forwards; those
+    errors, mostly independent, add up to about one ulp at the logits (measured: the fp32 margins at
+    the partings are 0.03 to 0.14, at most about 1 ulp). 4 ulps leaves room; a real bug (a wrong mask,
+    position or cache slot) moves logits by O(1) and parts the outputs far from a tie.
+    A run whose outputs do not part passes trivially (reported), and must show long accepted paths."""
+    from checkpoint import load_model
+    model, tok = load_model(None, "cpu", torch.bfloat16)
+    head = make_head("eagle", model.args, seed=7).to(torch.bfloat16)
+    oracle = Oracle(head, model.args.vocab_size, seed=3)
+    bound = lambda top1: 4 * 2 ** -7 * max(abs(top1), 1.0)
+    parted = 0
+    # on this machine "tips" parts at its 4th new token, "sort" does not part
+    for name, max_new in [("tips", 24), ("sort", 40)]:
+        prompt = smol.prompt(name)
+        with torch.inference_mode():
+            ref = ar_decode(model, prompt, max_new + 6)
+            oracle.set_truth(prompt.tolist() + ref)
+            out, steps = spec_decode(model, oracle, prompt, max_new, tok.eos_id)
+        expected = cut(ref, max_new, tok.eos_id)
+        if out == expected:
+            print(f"bf16 {name}: speculative and autoregressive outputs are identical (no divergence "
+                  f"to check); tau {tau(out, steps):.2f}")
+            assert tau(out, steps) >= 2.5
+            continue
+        parted += 1
+        i = next(k for k in range(min(len(out), len(expected))) if out[k] != expected[k])
+        common = torch.tensor(prompt.tolist() + expected[:i])
+        with torch.inference_mode():
+            model.setup_caches(1, len(common))
+            logits16 = model(common[None], torch.arange(len(common)))[0, -1].float()
+            m32 = copy.deepcopy(model).float()
+            logits = m32(common[None], torch.arange(len(common)))[0, -1]
+            del m32
+        top, top16 = logits.topk(2), logits16.topk(2)
+        margin = (top.values[0] - top.values[1]).item()
+        print(f"bf16 {name}: outputs part at new token {i}: AR {expected[i]}, speculative {out[i]}; "
+              f"fp32 forward top-2 {top.indices.tolist()} margin {margin:.4f} (bound "
+              f"{bound(top.values[0].item()):.4f}); bf16 forward top-2 {top16.indices.tolist()} margin "
+              f"{(top16.values[0] - top16.values[1]).item():.4f}")
+        assert {out[i], expected[i]} == set(top.indices.tolist())
+        assert margin <= bound(top.values[0].item())
+    print(f"bf16: {parted} of 2 runs parted from the AR output")
+
+
+# ---------------------------------------------------------------- 3. compiled
+
+def test_compiled_eagle_tree_step_equals_autoregressive(smol, monkeypatch):
+    """The whole EAGLE static tree10 step (draft with the head's cache, tree attention, accept,
+    compaction) under torch.compile(fullgraph=True): two prompts, one cache size, one graph."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "freezing", inductor_config.freezing)  # compile_step sets it
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)      # one graph for both prompts
+    model, eos = smol.model, smol.eos
+    oracle = Oracle(smol.head("eagle"), model.args.vocab_size, seed=5)
+    names, max_new = ["fruits", "solve"], 32
+    refs = {name: smol.ref(name) for name in names}  # before the caches are sized: ar_decode resizes them
+    draft, accept, depth, nodes, scratch = G.speculator(model, oracle, "tree10")
+    S = max(len(smol.prompt(n)) for n in names) + max_new + nodes
+    G.setup_caches(model, oracle, S, scratch)
+    step = G.compile_step(lambda h, t, n, P: G.spec_step(model, draft, accept, h, t, n, P), "cpu", mode="default")
+    taus = []
+    for name in names:
+        prompt, ref = smol.prompt(name), refs[name]
+        oracle.set_truth(prompt.tolist() + ref)
+        with torch.inference_mode():
+            first, state = G.start(model, oracle, prompt, depth, dict(temperature=0.0))
+            out = G.decode(step, state, first, max_new, eos)
+        assert out == cut(ref, max_new, eos), name
+        taus.append((len(out) - 1) / G.decode.steps)
+    print(f"compiled EAGLE tree10 oracle: tau {', '.join(f'{t:.2f}' for t in taus)}")
+    # both high: the second prompt's truth reached the graph (not frozen in as a constant), and
+    # accepted paths of several tokens were compacted inside the graph
+    assert min(taus) >= 2.0
+
+
+# ---------------------------------------------------------------- tiny random models
+
+TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=97, intermediate_size=128, max_seq_len=256)
+
+
+def tiny_model(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
+    """Random weights drawn large enough that attention is far from uniform and the next token depends
+    on the context (with PyTorch's default init the argmax barely reads it, and a wrong mask or cache
+    slot would go unseen)."""
+    torch.manual_seed(seed)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+def snapshot(model):
+    return [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+
+
+def restore(model, snap):
+    for l, (k, v) in zip(model.layers, snap):
+        l.attention.kv_cache.k_cache.copy_(k)
+        l.attention.kv_cache.v_cache.copy_(v)
+
+
+# ---------------------------------------------------------------- 4. tree verification
+
+@st.composite
+def random_trees(draw):
+    """A tree from a random parent array (tree_from_parents, rows per node, nodes in any order with
+    parents first) or from a random set of Medusa index paths (tree_buffers, rows per leaf)."""
+    n = draw(st.integers(2, 20))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    depth_of = [0]
+    for i in range(1, n):
+        depth_of.append(depth_of[parents[i]] + 1)
+    if draw(st.booleans()):
+        return T.tree_from_parents(torch.tensor(parents), max(depth_of) + draw(st.integers(0, 2)))
+    paths, rank = {0: ()}, {}
+    for i in range(1, n):
+        rank[parents[i]] = rank.get(parents[i], -1) + 1
+        paths[i] = paths[parents[i]] + (rank[parents[i]],)
+    return T.tree_buffers([list(paths[i]) for i in range(1, n)])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=random_trees(), prefix_len=st.integers(1, 40), seed=st.integers(0, 2 ** 16))
+def test_one_tree_forward_equals_each_path_run_sequentially(tiny, tree, prefix_len, seed):
+    model, S = tiny, 64
+    g = torch.Generator().manual_seed(seed)
+    N, P = tree.num_nodes, prefix_len
+    prefix = torch.randint(0, TINY.vocab_size, (P,), generator=g)
+    draft_tokens = torch.randint(0, TINY.vocab_size, (N,), generator=g)
+    model.setup_caches(1, S)
+    with torch.inference_mode():
+        model(prefix[None], torch.arange(P))
+        snap = snapshot(model)
+        mask = G.tree_attention_mask(tree.tree_mask, torch.tensor(P), S)  # as spec_step builds it
+        tree_logits = model(draft_tokens[None], P + tree.positions, mask, cache_pos=P + torch.arange(N))[0]
+        for row in tree.retrieve_indices.tolist():
+            path = [i for i in row if i >= 0]
+            restore(model, snap)
+            seq = model(draft_tokens[path][None], torch.arange(P, P + len(path)))[0]
+            assert (tree_logits[path] - seq).abs().max().item() < 1e-4, path
+
+
+# ---------------------------------------------------------------- 5. compaction
+
+def test_compaction_leaves_the_cache_of_sequential_decoding():
+    """Every (leaf path, accept length) of tree16: tree forward, compact the accepted path to the
+    slots after the prefix, and compare the caches with decoding those tokens one by one."""
+    model, S, P = tiny_model(seed=1), 48, 13
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, TINY.vocab_size, (P,), generator=g)
+    tree = T.tree_buffers(T.load_tree("tree16"))
+    N, D = tree.num_nodes, tree.depth
+    draft_tokens = torch.randint(0, TINY.vocab_size, (N,), generator=g)
+    model.setup_caches(1, S)
+    ref = copy.deepcopy(model)
+    checked = 0
+    with torch.inference_mode():
+        model(prefix[None], torch.arange(P))
+        snap = snapshot(model)
+        for row in tree.retrieve_indices.tolist():
+            length = sum(i >= 0 for i in row) - 1
+            for a in range(length + 1):
+                path = torch.tensor([row[min(j, a)] for j in range(D + 1)])  # as trees._path pads it
+                restore(model, snap)
+                mask = G.tree_attention_mask(tree.tree_mask, torch.tensor(P), S)
+                model(draft_tokens[None], P + tree.positions, mask, cache_pos=P + torch.arange(N))
+                model.compact(P + path, P + torch.arange(D + 1))
+                restore(ref, snap)
+                for j in range(a + 1):  # the root and the accepted tokens, one by one
+                    ref(draft_tokens[path[j]].view(1, 1), torch.tensor([P + j]))
+                end = P + a + 1
+                for lm, lr in zip(model.layers, ref.layers):
+                    for name in ("k_cache", "v_cache"):
+                        got = getattr(lm.attention.kv_cache, name)[:, :, :end]
+                        want = getattr(lr.attention.kv_cache, name)[:, :, :end]
+                        assert (got - want).abs().max().item() < 1e-5, (row, a, name)
+                checked += 1
+    assert checked > 20
+
+
+def test_eagle_cache_after_spec_steps_equals_one_catch_up_over_the_accepted_sequence():
+    """After every step (the oracle makes accepted paths of 1 to 5 tokens), EAGLE's own cache over
+    [0, P) equals the cache of one catch-up over the whole accepted sequence from a fresh cache:
+    rows (base hidden state at t, token t+1) for t < P."""
+    model = tiny_model(seed=2)
+    base = copy.deepcopy(model)  # for the reference hidden states, with its own caches
+    head = make_head("eagle", TINY, seed=3)
+    oracle = Oracle(head, TINY.vocab_size, seed=4)
+    prompt = torch.randint(0, TINY.vocab_size, (20,), generator=torch.Generator().manual_seed(5))
+    max_new = 60
+    with torch.inference_mode():
+        ref = ar_decode(model, prompt, max_new + 6)
+        truth = prompt.tolist() + ref
+        oracle.set_truth(truth)
+        checks = []
+
+        def checked(step):
+            def run(*state):
+                tokens, count, state = step(*state)
+                h, nt, n, P = state
+                head.begin(model, h, nt, n, P)  # the next step's catch-up (it rewrites the same rows)
+                P = int(P)
+                fresh = copy.deepcopy(head)
+                fresh.setup_caches(head.cache_len)
+                base.setup_caches(1, P)
+                _, _, hidden = base(torch.tensor(truth[:P])[None], torch.arange(P), return_hidden=True)
+                fresh.layer.catch_up(fresh.rows(base, hidden[0], torch.tensor(truth[1:P + 1])),
+                                     torch.zeros((), dtype=torch.long))
+                for name in ("k_cache", "v_cache"):
+                    got = getattr(head.layer.block.attention.kv_cache, name)[:, :, :P]
+                    want = getattr(fresh.layer.block.attention.kv_cache, name)[:, :, :P]
+                    checks.append((got - want).abs().max().item())
+                return tokens, count, state
+            return run
+
+        out, steps = spec_decode(model, oracle, prompt, max_new, step_wrapper=checked)
+    print(f"EAGLE cache vs one catch-up: max difference {max(checks):.2e} over {len(checks)} steps, "
+          f"tau {tau(out, steps):.2f}")
+    assert out == ref[:max_new]
+    assert max(c for _, c in steps) == 5 and tau(out, steps) >= 2.5
+    assert max(checks) < 1e-5, max(checks)
+
+
+# ---------------------------------------------------------------- 6. sampling
+
+SMALL = ModelArgs(dim=32, n_layer=2, n_head=4, n_kv_head=2, vocab_size=8, intermediate_size=64,
+                  max_seq_len=64, tie_embeddings=False)
+TEMP = 0.9
+
+
+@pytest.fixture(scope="module")
+def small_setup():
+    """A tiny base model over 8 tokens with spread-out next-token distributions, a random EAGLE head,
+    a prompt, and the exact joint distribution of the two tokens after the prefill's first token."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    head = make_head("eagle", SMALL, seed=1)
+    prompt = torch.tensor([1, 5, 2, 7, 3, 0, 6])
+    with torch.inference_mode():
+        first = ar_decode(model, prompt, 1)[0]  # the prefill's token, greedy: the runs condition on it
+        seq = prompt.tolist() + [first]
+        model.setup_caches(1, len(seq) + 1)
+        p2 = T.logits_to_probs(model(torch.tensor(seq)[None], torch.arange(len(seq)))[0, -1], TEMP)
+        joint = torch.zeros(8, 8, dtype=torch.float64)
+        for a in range(8):
+            x = torch.tensor(seq + [a])
+            p3 = T.logits_to_probs(model(x[None], torch.arange(len(x)))[0, -1], TEMP)
+            joint[a] = p2[a].double() * p3.double()
+    return SimpleNamespace(model=model, head=head, prompt=prompt, first=first, joint=joint)
+
+
+def sample_pairs(s, acceptance, runs, seed, **kw):
+    """Runs speculative decoding `runs` times from the same prefill (the prefix cache is never written
+    by a step) and counts the two tokens it emits after the first."""
+    model, head = s.model, s.head
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, "tree16", None, acceptance, TEMP, **kw)
+    G.setup_caches(model, head, len(s.prompt) + 3 + nodes + 1, scratch)
+    step = lambda h, t, n, P: G.spec_step(model, draft, accept, h, t, n, P)
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    accepted = 0
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        first, state = G.start(model, head, s.prompt, depth, dict(temperature=0.0))
+        assert first == s.first
+        for _ in range(runs):
+            out = G.decode(step, state, first, 3)
+            counts[out[1], out[2]] += 1
+            accepted += G.decode.steps == 1
+    return counts, accepted / runs
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit; cells expected below 5 are pooled into one."""
+    n = counts.sum()
+    expected, counts = (probs.flatten() / probs.sum()) * n, counts.flatten()
+    small = expected < 5
+    e = torch.cat([expected[~small], expected[small].sum().view(1)])
+    c = torch.cat([counts[~small], counts[small].sum().view(1)])
+    keep = e > 0
+    e, c = e[keep], c[keep]
+    stat = ((c - e) ** 2 / e).sum()
+    df = len(e) - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
+
+
+RUNS = 2000
+
+
+def test_tree_speculative_sampling_keeps_the_base_distribution(small_setup):
+    counts, one_step = sample_pairs(small_setup, "sample", RUNS, seed=0)
+    p = chi2_pvalue(counts, small_setup.joint)
+    tv = 0.5 * (counts / RUNS - small_setup.joint).abs().sum().item()
+    print(f"sample acceptance: chi-square p {p:.3g}, total variation {tv:.3f}, "
+          f"both tokens from one step in {one_step:.0%} of runs")
+    assert one_step > 0.3  # the tree's drafts were accepted often: the acceptance rule was exercised
+    assert p > 1e-3
+
+
+def test_the_sampling_check_catches_lossy_typical_acceptance(small_setup):
+    """The same check on Medusa's typical acceptance (lossy) must fail: it accepts any drafted token
+    above a probability floor, so drafted tokens are over-represented."""
+    runs = 400
+    counts, _ = sample_pairs(small_setup, "typical", runs, seed=0)
+    p = chi2_pvalue(counts, small_setup.joint)
+    tv = 0.5 * (counts / runs - small_setup.joint).abs().sum().item()
+    print(f"typical acceptance: chi-square p {p:.3g}, total variation {tv:.3f}")
+    assert p < 1e-6
