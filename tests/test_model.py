@@ -155,8 +155,6 @@ def test_four_dim_mask_equals_two_dim_mask(tiny_model):
 # ---------------------------------------------------------------- compiled decode
 
 def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, monkeypatch):
-    import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config, "freezing", inductor_config.freezing)  # compile_step sets it
     model, tokenizer = default_model
     ids = torch.tensor(tokenizer.encode(tokenizer.chat([{"role": "user", "content": "Tell me about the sea."}]),
                                         bos=False))

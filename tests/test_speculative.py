@@ -338,8 +338,6 @@ def test_compiled_eagle_tree_step_equals_autoregressive(smol, monkeypatch):
     """The whole EAGLE static tree10 step (draft with the head's cache, tree attention, accept,
     compaction) under torch.compile(fullgraph=True): two prompts, one cache size, one graph."""
     import torch._dynamo
-    import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config, "freezing", inductor_config.freezing)  # compile_step sets it
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)      # one graph for both prompts
     model, eos = smol.model, smol.eos
     oracle = Oracle(smol.head("eagle"), model.args.vocab_size, seed=5)
