@@ -20,47 +20,43 @@ from heads import load_heads
 PROMPT = "Write a short story about a robot who learns to paint. Make it about three paragraphs long."
 
 
-def timed(fn, runs: int):
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def once(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def decode_rate(model, head, step, prompt, depth, n, runs):
-    """tokens/s of the decode loop alone, and tau (tokens per step)."""
+def ours(model, head, step, prompt, depth, n):
+    """One measurement: (decode tokens/s, tau). Decode time = time for n tokens minus time for 1."""
     def run(k):
-        def f():
-            first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-            run.out = G.decode(step, state, first, k, eos_id=None)
-            run.steps = G.decode.steps
-        return f
+        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
+        run.out = G.decode(step, state, first, k, eos_id=None)
+        run.steps = G.decode.steps
     with torch.inference_mode():
-        run(n)()  # warm up (and compile)
-        t_n, t_1 = timed(run(n), runs), timed(run(1), runs)
-        run(n)()
-    return (n - 1) / (t_n - t_1), (len(run.out) - 1) / max(run.steps, 1)
+        t_n = once(lambda: run(n))
+        tau = (len(run.out) - 1) / max(run.steps, 1)
+        t_1 = once(lambda: run(1))
+    return (n - 1) / (t_n - t_1), tau
 
 
-def hf_rate(dtype, prompt, n, runs):
+def hf(dtype, prompt, n):
     from transformers import AutoModelForCausalLM
     path = default_checkpoint()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-    ids = prompt[None]
-    gen = lambda k: lambda: hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=2)
-    with torch.inference_mode():
-        gen(n)()
-        t_n, t_1 = timed(gen(n), runs), timed(gen(1), runs)
-    return (n - 1) / (t_n - t_1)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    gen = lambda k: lambda: model.generate(prompt[None], max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                           pad_token_id=2)
+
+    def measure():
+        with torch.inference_mode():
+            return (n - 1) / (once(gen(n)) - once(gen(1))), 1.0
+    return measure
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--compile_mode", default=None, help="default: max-autotune-no-cudagraphs on CPU")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--skip_eager", action="store_true")
@@ -73,7 +69,6 @@ def main():
     model, tok = load_model(None, "cpu", dtype)
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])))
     n = args.max_new_tokens
-    rows = []
     head = load_heads(args.heads, model) if args.heads else None
     draft = accept = None
     depth, nodes, scratch = 0, 1, 0
@@ -82,23 +77,34 @@ def main():
         draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
     G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
     ar = lambda t, pos: G.ar_step(model, t, pos)
+    engines = {}  # name -> a function measuring (tokens/s, tau) once
     if not args.skip_eager:
-        rows.append(("ours, eager", *decode_rate(model, None, ar, prompt, 0, n, args.runs)))
-    rows.append(("ours, compiled", *decode_rate(model, None, G.compile_step(ar, "cpu", args.compile_mode),
-                                                prompt, 0, n, args.runs)))
+        engines["ours, eager"] = lambda: ours(model, None, ar, prompt, 0, n)
+    compiled = G.compile_step(ar, "cpu", args.compile_mode)
+    engines["ours, compiled"] = lambda: ours(model, None, compiled, prompt, 0, n)
     if head is not None:
         spec = G.compile_step(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), "cpu", args.compile_mode)
-        rows.append((f"ours, compiled, {type(head).__name__} {args.dynamic_tree or args.tree}",
-                     *decode_rate(model, head, spec, prompt, depth, n, args.runs)))
+        engines[f"ours, compiled, {type(head).__name__} {args.dynamic_tree or args.tree}"] = \
+            lambda: ours(model, head, spec, prompt, depth, n)
     if not args.skip_hf:
-        rows.append(("transformers generate", hf_rate(dtype, prompt, n, args.runs), 1.0))
-    base = rows[0][1]
-    print(f"\n{args.dtype}, {n} new tokens, prompt {len(prompt)} tokens, median of {args.runs} runs, "
+        engines["transformers generate"] = hf(dtype, prompt, n)
+    for measure in engines.values():  # warm up, compile
+        measure()
+    # The engines take turns, round after round, so that drifts of this shared machine's speed
+    # hit them alike; each engine's ratio to the first is taken round by round.
+    results = {name: [] for name in engines}
+    for _ in range(args.runs):
+        for name, measure in engines.items():
+            results[name].append(measure())
+    first = next(iter(results.values()))
+    rows = [(name, statistics.median(r for r, _ in res), res[-1][1],
+             statistics.median(r / f for (r, _), (f, _) in zip(res, first))) for name, res in results.items()]
+    print(f"\n{args.dtype}, {n} new tokens, prompt {len(prompt)} tokens, median of {args.runs} interleaved runs, "
           f"{torch.get_num_threads()} threads")
     print(f"| engine | tok/s | ms/token | tau | vs {rows[0][0]} |")
     print("|---|---|---|---|---|")
-    for name, rate, tau in rows:
-        print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {rate / base:.2f}x |")
+    for name, rate, tau, ratio in rows:
+        print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {ratio:.2f}x |")
     print("command: python " + " ".join(sys.argv))
 
 

@@ -142,23 +142,17 @@ def start(model, head, prompt, depth: int, sampling: dict):
     return int(token), (hs, nt, one, torch.tensor(T, device=prompt.device))
 
 
-COMPILE_MODES = {  # torch.compile's modes as inductor options, so that freezing can be added to them
-    "default": {},
-    "reduce-overhead": {"triton.cudagraphs": True},
-    "max-autotune-no-cudagraphs": {"max_autotune": True},
-    "max-autotune": {"max_autotune": True, "triton.cudagraphs": True},
-}
-
-
 def compile_step(fn, device: str, mode=None):
     """fullgraph, static shapes. CUDA: CUDA graphs (reduce-overhead). CPU: max-autotune with
-    freezing (weights become constants the CPU kernels can pre-pack): measured about 2x plain compile."""
+    freezing: weights become constants that the CPU GEMM kernels pre-pack (AMX / AVX-512 micro-kernels
+    for bf16 when max-autotune picks them)."""
     if mode is None:
         mode = "reduce-overhead" if device.startswith("cuda") else "max-autotune-no-cudagraphs"
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode '{mode}': use one of {', '.join(COMPILE_MODES)}")
-    options = dict(COMPILE_MODES[mode], freezing=not device.startswith("cuda"))
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    if not device.startswith("cuda"):
+        import torch._inductor.config
+        # a global switch: inductor reads it outside the `options` of one compile
+        torch._inductor.config.freezing = True
+    return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
 
 
 class Streamer:
