@@ -268,6 +268,14 @@ def run(args):
         need = cache_size(len(ids), args.max_new_tokens, nodes, model.args.max_seq_len)
         if model.max_seq_len < need:
             setup_caches(model, head, need, scratch)
+            if args.compile:  # compile now, not inside the timed decode (the next prefill overwrites the cache)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    first, state = start(model, head, prompt, depth, sampling)
+                    step(*state)
+                    if args.compare and head is not None:
+                        ar(*start(model, None, prompt, 0, sampling)[1])
+                print(f"compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         with torch.inference_mode():
             t0 = time.perf_counter()
             first, state = start(model, head, prompt, depth, sampling)
