@@ -200,6 +200,45 @@ class Hydra(nn.Module):
         return self.hydra_lm_head[depth](self.hydra_mlp[depth](x)), x
 
 
+# ---------------------------------------------------------------- context n-gram (prompt lookup)
+
+class NGram(nn.Module):
+    """Prompt lookup, the baseline every trained head must beat: no weights; match the last g
+    tokens (g = n, n-1, ..., 1, the longest that matches) earlier in the context and propose what
+    followed the latest match. One branch only, so use it with a chain tree (chain4)."""
+    needs_attn = False
+
+    def __init__(self, vocab_size: int, n: int = 3, max_depth: int = 16):
+        super().__init__()
+        self.vocab_size, self.n, self.num_heads = vocab_size, n, max_depth
+
+    def setup_caches(self, max_seq_len: int):
+        self.register_buffer("ids", torch.zeros(max_seq_len, dtype=torch.long), persistent=False)  # token at each position
+
+    def prefill(self, base, h, next_tokens):
+        self.ids[1: len(next_tokens) + 1] = next_tokens
+
+    def begin(self, base, h, next_tokens, n, P):
+        R = next_tokens.shape[0]
+        # rows past n land beyond the root at P: stale, and never matched (windows end before P)
+        self.ids.index_copy_(0, P - n + 1 + torch.arange(R, device=P.device), next_tokens)
+        start = torch.full_like(P, -1)
+        for g in range(1, self.n + 1):  # a longer match overrides a shorter one
+            key = self.ids[(P - g + 1 + torch.arange(g, device=P.device)).clamp(min=0)]     # [g]
+            windows = self.ids.unfold(0, g, 1)                                              # [S-g+1, g]
+            s = torch.arange(windows.shape[0], device=P.device)
+            hit = (windows == key).all(-1) & (s + g <= P) & (P - g + 1 >= 0)
+            start = torch.where(hit.any(), torch.where(hit, s + g, -1).max(), start)
+        cont = self.ids[(start + torch.arange(self.num_heads, device=P.device)).clamp(0, P)]  # [max_depth]
+        cont = torch.where(start >= 0, cont, -1)[None]                                    # -1: no proposal
+        return self.expand(base, 0, cont, None, None)
+
+    def expand(self, base, depth, state, tokens, attn):
+        # one row for every node: the continuation's token at this depth gets all the mass
+        logits = torch.zeros(1, self.vocab_size, device=state.device)
+        return logits.index_fill(1, state[0, depth].clamp(min=0).view(1), 1.0) * (state[0, depth] >= 0), state
+
+
 # ---------------------------------------------------------------- drafting a tree
 
 @dataclass
@@ -322,6 +361,8 @@ def load_heads(path, base, head_type: Optional[str] = None):
     grounded_heads) + hydra_lm_head.{pt,safetensors}; EAGLE: a Llama-style config.json
     (num_hidden_layers 1, bias) + pytorch_model.bin or model.safetensors.
     Checks that the head fits `base` (hidden size, vocab) and casts it to the base's dtype."""
+    if str(path).startswith("ngram"):  # "ngram" or "ngram:N": the context n-gram drafter, no weights
+        return NGram(base.args.vocab_size, int(str(path).partition(":")[2] or 3))
     folder = Path(path).expanduser()
     if not folder.is_dir():
         if folder.exists() or str(path).count("/") != 1:

@@ -1,0 +1,52 @@
+"""The context n-gram drafter (prompt lookup): what it proposes, and that speculative decoding
+with it is exact and, on repetitive text, accepts long paths."""
+import torch
+
+import generate as G
+from heads import NGram, load_heads
+
+
+def proposal(ngram, context, depth=4):
+    # context: the tokens at positions 0..P (the last is the root); returns the proposed chain
+    S = 64
+    ngram.setup_caches(S)
+    ctx = torch.tensor(context)
+    P = torch.tensor(len(context) - 1)
+    ngram.ids[: len(context)] = ctx
+    logits, state = ngram.begin(None, None, ctx[-1:], torch.tensor(1), P)
+    out = [int(logits.argmax()) if logits.max() > 0 else -1]
+    for d in range(1, depth):
+        logits, state = ngram.expand(None, d, state, None, None)
+        out.append(int(logits.argmax()) if logits.max() > 0 else -1)
+    return out
+
+
+def test_proposes_what_followed_the_latest_longest_match():
+    ng = NGram(vocab_size=50, n=3)
+    # "7 8 9" occurred twice; the latest is followed by 20 21 ...; a 1-gram "9" match elsewhere loses
+    assert proposal(ng, [1, 7, 8, 9, 10, 11, 9, 5, 7, 8, 9, 20, 21, 22, 3, 7, 8, 9])[:3] == [20, 21, 22]
+    # only a 1-gram matches: the token after the latest earlier "4"
+    assert proposal(ng, [4, 30, 31, 32, 5, 6, 4])[:3] == [30, 31, 32]
+    # nothing matches: no proposal
+    assert proposal(ng, [1, 2, 3, 4]) == [-1, -1, -1, -1]
+
+
+def test_greedy_speculative_with_ngram_equals_autoregressive(default_model):
+    model, tok = default_model
+    head = load_heads("ngram", model)
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, "chain4")
+    taus = []
+    for text in ["List the days of the week, each with one sentence about it.", "What is 12 times 13?"]:
+        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}])))
+        n = 64
+        S = len(prompt) + n + nodes
+        with torch.inference_mode():
+            G.setup_caches(model, None, S)
+            first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
+            ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
+            G.setup_caches(model, head, S, scratch)
+            first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
+            out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
+        assert out == ref
+        taus.append((len(out) - 1) / G.decode.steps)
+    assert taus[0] > 2.0, taus  # the list repeats itself: long chains are accepted
