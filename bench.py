@@ -10,6 +10,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,6 +53,33 @@ def hf(dtype, prompt, n):
     return measure
 
 
+def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_category, n, max_prompt):
+    """Mean tokens per step (tau) of greedy speculative decoding on the first questions of each
+    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only), eager (tau does not
+    depend on speed). Returns {category: (tau, questions, tokens)}."""
+    import json
+    from collections import defaultdict
+    path = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"
+    by_cat = defaultdict(list)
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        ids = tok.encode(tok.chat([{"role": "user", "content": q["turns"][0]}]))
+        if len(ids) <= max_prompt and len(by_cat[q["category"]]) < per_category:
+            by_cat[q["category"]].append(ids)
+    step = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
+    out = {}
+    for cat, prompts in by_cat.items():
+        tokens = steps = 0
+        for ids in prompts:
+            G.setup_caches(model, head, G.cache_size(len(ids), n, nodes, model.args.max_seq_len), scratch)
+            with torch.inference_mode():
+                first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+                o = G.decode(step, state, first, n, tok.eos_id)
+            tokens, steps = tokens + len(o) - 1, steps + G.decode.steps
+        out[cat] = (tokens / max(steps, 1), len(prompts), tokens)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -63,6 +91,9 @@ def main():
     p.add_argument("--heads", default=None)
     p.add_argument("--tree", default="tree16")
     p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens")
+    p.add_argument("--spec_bench", type=int, default=0, metavar="N",
+                   help="instead: tau of --heads on the first N Spec-Bench questions of each category")
+    p.add_argument("--max_prompt", type=int, default=1024, help="with --spec_bench: skip longer prompts")
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -75,6 +106,17 @@ def main():
     if head is not None:
         dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
         draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
+    if args.spec_bench:
+        taus = spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, args.spec_bench, n, args.max_prompt)
+        print(f"\n{args.heads} {args.dynamic_tree or args.tree}, greedy, {n} new tokens, {args.dtype}")
+        print("| category | questions | new tokens | tau |\n|---|---|---|---|")
+        for cat, (tau, q, t) in taus.items():
+            print(f"| {cat} | {q} | {t} | {tau:.2f} |")
+        all_t = sum(t for _, _, t in taus.values())
+        all_s = sum(t / tau for tau, _, t in taus.values())
+        print(f"| all | {sum(q for _, q, _ in taus.values())} | {all_t} | {all_t / all_s:.2f} |")
+        print("command: python " + " ".join(sys.argv))
+        return
     G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
     ar = lambda t, pos: G.ar_step(model, t, pos)
     engines = {}  # name -> a function measuring (tokens/s, tau) once
