@@ -235,8 +235,8 @@ class NGram(nn.Module):
 
     def expand(self, base, depth, state, tokens, attn):
         # one row for every node: the continuation's token at this depth gets all the mass
-        logits = torch.zeros(1, self.vocab_size, device=state.device)
-        return logits.index_fill(1, state[0, depth].clamp(min=0).view(1), 1.0) * (state[0, depth] >= 0), state
+        vocab = torch.arange(self.vocab_size, device=state.device)
+        return (vocab == state[0, depth]).float()[None], state      # all zeros when there is no proposal (-1)
 
 
 # ---------------------------------------------------------------- drafting a tree
