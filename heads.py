@@ -164,6 +164,7 @@ class Hydra(nn.Module):
     """Hydra: sequentially dependent heads; head i reads the hidden state and the embeddings of
     the root and the i tokens drafted before it (grounded). Hydra++ (prefix=True) first runs one
     extra decoder layer (and final norm) over the base hidden states, with its own KV cache."""
+    needs_attn = False  # its prefix layer runs over accepted rows only, never over tree nodes
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  grounded: bool = True, prefix_args: Optional[ModelArgs] = None, dropout: float = 0.0):
@@ -178,7 +179,6 @@ class Hydra(nn.Module):
                                            for _ in range(num_heads))
         self.prefix = CachedLayer(prefix_args) if prefix_args else None
         self.prefix_norm = RMSNorm(dim, prefix_args.norm_eps) if prefix_args else None
-        self.needs_attn = False
 
     def setup_caches(self, max_seq_len: int):
         if self.prefix:
