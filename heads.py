@@ -34,6 +34,28 @@ def last_row(x: Tensor, n: Tensor) -> Tensor:
     return x.index_select(0, (n - 1).reshape(1))
 
 
+# A draft vocabulary (FR-Spec, EAGLE-3): a head's logits cover only V' frequent tokens, since on a
+# small model the lm_head is most of a draft step. Verification stays over the full vocabulary.
+
+def set_draft_vocab(head, base, d2t: Tensor):
+    """d2t: [V'] token id of each draft id. Heads that share the base's lm_head use its d2t rows."""
+    head.register_buffer("d2t", d2t.to(base.output.weight.device), persistent=False)
+    head.register_buffer("draft_w", base.output.weight[head.d2t], persistent=False)  # [V', dim]
+    return head
+
+
+def shared_logits(head, base, x: Tensor) -> Tensor:
+    # the base's lm_head, restricted to the draft vocab when the head has one
+    w = getattr(head, "draft_w", None)
+    return base.output(x) if w is None else F.linear(x, w.to(x.dtype))
+
+
+def token_ids(head, idx: Tensor) -> Tensor:
+    # indices into a head's logits -> token ids
+    d2t = getattr(head, "d2t", None)
+    return idx if d2t is None else d2t[idx]
+
+
 # ---------------------------------------------------------------- Medusa
 
 class ResBlock(nn.Module):
@@ -68,7 +90,7 @@ class Medusa(nn.Module):
 
     def head_logits(self, base, k: int, x: Tensor) -> Tensor:
         y = self.medusa_head[k](x)
-        return y if self.lm_head else base.output(y)
+        return y if self.lm_head else shared_logits(self, base, y)
 
     def begin(self, base, h, next_tokens, n, P):
         x = last_row(h, n)
@@ -137,11 +159,11 @@ class Eagle(nn.Module):
     def begin(self, base, h, next_tokens, n, P):
         out = self.layer.catch_up(self.rows(base, h, next_tokens), P - n)
         x = last_row(out, n)
-        return base.output(x), x
+        return shared_logits(self, base, x), x
 
     def expand(self, base, depth, parent_state, tokens, attn):
         out = self.layer(self.rows(base, parent_state, tokens), *attn)
-        return base.output(out), out
+        return shared_logits(self, base, out), out
 
 
 # ---------------------------------------------------------------- Hydra
@@ -163,11 +185,13 @@ class HydraBlock(nn.Module):
 class Hydra(nn.Module):
     """Hydra: sequentially dependent heads; head i reads the hidden state and the embeddings of
     the root and the i tokens drafted before it (grounded). Hydra++ (prefix=True) first runs one
-    extra decoder layer (and final norm) over the base hidden states, with its own KV cache."""
+    extra decoder layer (and final norm) over the base hidden states, with its own KV cache.
+    lm_head=False: the heads share the base's lm_head (as MLC-LLM's Medusa does), a fraction of the size."""
     needs_attn = False  # its prefix layer runs over accepted rows only, never over tree nodes
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 grounded: bool = True, prefix_args: Optional[ModelArgs] = None, dropout: float = 0.0):
+                 grounded: bool = True, prefix_args: Optional[ModelArgs] = None, dropout: float = 0.0,
+                 lm_head: bool = True):
         super().__init__()
         self.num_heads, self.grounded = num_heads, grounded
         # Dropout slots (a no-op in eval) keep the official key names: hydra_mlp.{i}.{2j+1}, hydra_lm_head.{i}.1
@@ -176,7 +200,7 @@ class Hydra(nn.Module):
                             for m in (nn.Dropout(dropout), HydraBlock(dim, i + 1 if grounded and j == 0 else 0))])
             for i in range(num_heads))
         self.hydra_lm_head = nn.ModuleList(nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, vocab_size))
-                                           for _ in range(num_heads))
+                                           for _ in range(num_heads)) if lm_head else None
         self.prefix = CachedLayer(prefix_args) if prefix_args else None
         self.prefix_norm = RMSNorm(dim, prefix_args.norm_eps) if prefix_args else None
 
@@ -197,7 +221,8 @@ class Hydra(nn.Module):
         # parent_state: [F, dim * (depth + 1)] = hidden and the path's embeddings above this node
         x = torch.cat([parent_state, base.tok_embeddings(tokens).to(parent_state.dtype)], -1) \
             if self.grounded else parent_state
-        return self.hydra_lm_head[depth](self.hydra_mlp[depth](x)), x
+        y = self.hydra_mlp[depth](x)
+        return (self.hydra_lm_head[depth](y) if self.hydra_lm_head is not None else shared_logits(self, base, y)), x
 
 
 # ---------------------------------------------------------------- context n-gram (prompt lookup)
@@ -305,7 +330,7 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
     for d in range(1, D + 1):
         top = logits.topk(plan.topk[d], dim=-1).indices           # [rows or 1, topk]
         rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
-        tokens = top[rows, plan.child_choice[d]]                  # [n_d]
+        tokens = token_ids(head, top[rows, plan.child_choice[d]])  # [n_d]
         out.append(tokens)
         if d < D:
             nodes = plan.expand_nodes[d]
@@ -322,6 +347,7 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
     logits, state = head.begin(base, h, next_tokens, n, P)
     logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
     scores, tokens = logp[0].topk(top_k)                          # [k]
+    tokens = token_ids(head, tokens)
     M = top_k + (depth - 1) * top_k * top_k
     dev = scores.device
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((top_k,), -1, device=dev)]
@@ -333,6 +359,7 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         logits, st = head.expand(base, d, state, tokens, attn)   # [k or 1, V]
         cand = scores[:, None] + torch.log_softmax(logits.float(), -1)  # [k, V]
         cs, ct = cand.topk(top_k, dim=-1)                         # [k, k]
+        ct = token_ids(head, ct)
         start = top_k + (d - 1) * top_k * top_k                   # pool index of the first new node
         pool_scores.append(cs.flatten())
         pool_tokens.append(ct.flatten())
@@ -381,10 +408,12 @@ def load_heads(path, base, head_type: Optional[str] = None):
         raise HeadError(f"{folder}: no {' or '.join(files)} for a {kind} head")
     sd = _read(weights)
     dim, vocab = base.args.dim, base.args.vocab_size
+    d2t = _draft_vocab(sd, cfg, vocab, folder)
+    draft_vocab = vocab if d2t is None else len(d2t)  # the rows of a head's own lm_head
     if kind == "medusa":
         L, K = cfg.get("medusa_num_layers", 1), cfg["medusa_num_heads"]
         K = min(K, 1 + max((int(k.split(".")[0]) for k in sd), default=-1))  # some configs over-count heads
-        head = Medusa(dim, vocab, K, L, lm_head=f"0.{L}.weight" in sd)
+        head = Medusa(dim, draft_vocab, K, L, lm_head=f"0.{L}.weight" in sd)
         head.medusa_head.load_state_dict(_fit(sd, head.medusa_head.state_dict(), folder, kind))
     elif kind == "hydra":
         arch = cfg.get("hydra_head_arch", "mlp")
@@ -400,8 +429,8 @@ def load_heads(path, base, head_type: Optional[str] = None):
             sd.update(_hf_layer(sd, "prefix_embeding_layer.layers.0.", "prefix.block.", prefix))
             sd["prefix_norm.weight"] = sd.pop("prefix_embeding_layer.norm.weight", None)
             sd = {k: v for k, v in sd.items() if not k.startswith("prefix_embeding_layer.") and v is not None}
-        head = Hydra(dim, vocab, cfg["hydra_num_heads"], cfg.get("hydra_num_layers", 1),
-                     cfg.get("grounded_heads", True), prefix)
+        head = Hydra(dim, draft_vocab, cfg["hydra_num_heads"], cfg.get("hydra_num_layers", 1),
+                     cfg.get("grounded_heads", True), prefix, lm_head=any(k.startswith("hydra_lm_head.") for k in sd))
         head.load_state_dict(_fit(sd, head.state_dict(), folder, kind))
     else:
         from checkpoint import hf_args
@@ -414,7 +443,22 @@ def load_heads(path, base, head_type: Optional[str] = None):
         ours = {"fc.weight": sd.get("fc.weight"), "fc.bias": sd.get("fc.bias")}
         ours.update(_hf_layer(sd, "layers.0.", "layer.block.", args, input_norm=False))
         head.load_state_dict(_fit({k: v for k, v in ours.items() if v is not None}, head.state_dict(), folder, kind))
-    return head.to(base.output.weight.dtype).eval()
+    head = head.to(base.output.weight.dtype).eval()
+    return head if d2t is None else set_draft_vocab(head, base, d2t)
+
+
+def _draft_vocab(sd: dict, cfg: dict, vocab: int, folder) -> Optional[Tensor]:
+    """Pops EAGLE-3's draft-vocab keys: d2t [V'] holds offsets (token id = draft id + d2t[draft id]),
+    t2d bool [V] marks the tokens in the draft vocab. Returns the token id of each draft id, or None."""
+    d2t = sd.pop("d2t", None)
+    sd.pop("t2d", None)
+    if d2t is None:
+        return None
+    ids = d2t.long() + torch.arange(len(d2t))
+    if ids.min() < 0 or ids.max() >= vocab or cfg.get("draft_vocab_size", len(ids)) != len(ids):
+        raise HeadError(f"{folder}: its draft vocab (d2t, draft_vocab_size {cfg.get('draft_vocab_size')}) does not "
+                        f"fit a vocab of {vocab}: use heads trained for this base model")
+    return ids
 
 
 def save_heads(head, folder, base_model: str = ""):
@@ -426,16 +470,15 @@ def save_heads(head, folder, base_model: str = ""):
     if isinstance(head, Medusa):
         cfg = {"medusa_num_heads": head.num_heads, "medusa_num_layers": sum(isinstance(m, ResBlock) for m in head.medusa_head[0]),
                "base_model_name_or_path": base_model}
-        save_file({k.removeprefix("medusa_head."): v for k, v in sd.items()}, folder / MEDUSA_FILES[0])
+        out, name = {k.removeprefix("medusa_head."): v for k, v in sd.items()}, MEDUSA_FILES[0]
     elif isinstance(head, Hydra):
         cfg = {"hydra_num_heads": head.num_heads, "hydra_num_layers": len(head.hydra_mlp[0]) // 2,
                "hydra_head_arch": "prefix-mlp" if head.prefix else "mlp", "grounded_heads": head.grounded,
                "base_model_name_or_path": base_model}
-        out = {k: v for k, v in sd.items() if not k.startswith("prefix")}
+        out, name = {k: v for k, v in sd.items() if not k.startswith("prefix")}, HYDRA_FILES[0]
         if head.prefix:
             out.update(_ours_layer(sd, "prefix.block.", "prefix_embeding_layer.layers.0.", head.prefix.args))
             out["prefix_embeding_layer.norm.weight"] = sd["prefix_norm.weight"]
-        save_file(out, folder / HYDRA_FILES[0])
     else:
         a = head.args
         cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": a.dim, "num_hidden_layers": 1,
@@ -443,9 +486,13 @@ def save_heads(head, folder, base_model: str = ""):
                "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
                "rope_theta": a.rope_base, "rope_scaling": a.rope_scaling, "max_position_embeddings": a.max_seq_len,
                "bias": head.fc.bias is not None, "base_model_name_or_path": base_model}
-        out = {k: v for k, v in sd.items() if k.startswith("fc.")}
+        out, name = {k: v for k, v in sd.items() if k.startswith("fc.")}, EAGLE_FILES[0]
         out.update(_ours_layer(sd, "layer.block.", "layers.0.", a, input_norm=False))
-        save_file(out, folder / EAGLE_FILES[0])
+    d2t = getattr(head, "d2t", None)
+    if d2t is not None:  # EAGLE-3's key: offsets, token id = draft id + d2t[draft id]
+        out["d2t"] = (d2t - torch.arange(len(d2t), device=d2t.device)).cpu()
+        cfg["draft_vocab_size"] = len(d2t)
+    save_file(out, folder / name)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 

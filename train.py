@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from checkpoint import DEFAULT_NAME, load_model
 from generate import check_device, compile_step
-from heads import EAGLE_FILES, HYDRA_FILES, MEDUSA_FILES, Eagle, Hydra, Medusa, save_heads
+from heads import Eagle, Hydra, Medusa, save_heads, set_draft_vocab
 from model import ModelArgs
 from trees import logits_to_probs, sample
 
@@ -64,6 +64,22 @@ def write_data(path, seqs, prompt_lens, sources, meta):
 
 
 # ---------------------------------------------------------------- prompts
+
+def merge_data(args):
+    """One file from several (say, two `data` runs on two cores with --seed 0 and --seed 1000000, whose
+    invented prompts then differ): sequences in the order of the inputs, so the last file holds the held-out ones."""
+    seqs, plens, sources, meta = [], [], [], None
+    for f in args.inputs:
+        s, p, src, m = read_data(f)
+        if meta and (m.get("base_model"), m.get("vocab_size")) != (meta.get("base_model"), meta.get("vocab_size")):
+            raise ValueError(f"{f} was made by {m.get('base_model')}, {args.inputs[0]} by {meta.get('base_model')}: "
+                             "merge data of one base model only")
+        meta = meta or m
+        seqs, plens, sources = seqs + s, plens + list(p), sources + list(src)
+    write_data(args.out, seqs, plens, sources, {**meta, "merged_from": [str(f) for f in args.inputs]})
+    n = sum(len(s) - p for s, p in zip(seqs, plens))
+    print(f"{args.out}: {len(seqs)} sequences, {n} answer tokens", file=sys.stderr)
+
 
 def check_not_benchmark(path):
     p = Path(path)
@@ -317,7 +333,8 @@ def make_head(args, base, d2t):
                 seq[-1].weight.data.copy_(W)
     elif args.head == "hydra":
         prefix = ModelArgs(**{**a.to_dict(), "n_layer": 1}) if args.hydra_prefix else None
-        head = Hydra(a.dim, W.shape[0], args.num_heads, args.num_layers, grounded=True, prefix_args=prefix)
+        head = Hydra(a.dim, W.shape[0], args.num_heads, args.num_layers, grounded=True, prefix_args=prefix,
+                     lm_head=not args.shared_lm_head)
         with torch.no_grad():
             for k in range(args.num_heads):
                 # the same start as Medusa's: the first block's residual passes the hidden state through
@@ -326,8 +343,9 @@ def make_head(args, base, d2t):
                 res.weight.zero_()
                 res.weight[:, :a.dim] = torch.eye(a.dim)
                 res.bias.zero_()
-                head.hydra_lm_head[k][1].weight.copy_(W)
-                head.hydra_lm_head[k][1].bias.zero_()
+                if head.hydra_lm_head is not None:
+                    head.hydra_lm_head[k][1].weight.copy_(W)
+                    head.hydra_lm_head[k][1].bias.zero_()
             if head.prefix is not None:
                 # Hydra++'s prefix layer starts as the identity (zero output projections)
                 head.prefix.block.attention.wo.weight.zero_()
@@ -336,7 +354,7 @@ def make_head(args, base, d2t):
     else:
         head = Eagle(a, bias=True)  # fc and the decoder layer from scratch, as EAGLE trains them
         head.layer.block.attention.kv_cache = NoCache()
-    return head
+    return head if d2t is None else set_draft_vocab(head, base, d2t)
 
 
 def num_heads(head) -> int:
@@ -372,26 +390,27 @@ def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
     elif args.head == "hydra":
         # teacher forcing: the true tokens t+1 .. t+k+1 stand where decoding has the drafted path
         embs = [base.tok_embeddings(tokens[:, j:n + j][sel]).float() for j in range(1, k + 2)]
-        logits = head.hydra_lm_head[k](head.hydra_mlp[k](torch.cat([x.float()] + embs, -1)))
+        y = head.hydra_mlp[k](torch.cat([x.float()] + embs, -1))
+        logits = head.hydra_lm_head[k](y) if head.hydra_lm_head is not None else F.linear(y, W)
     else:
         logits = F.linear(x, W)        # the base's lm_head on the predicted feature t+1 -> token t+2
         extra = F.smooth_l1_loss(x.float(), h[:, 1:n + 1][sel].float())      # regression to the true h_{t+1}
     return logits, tokens[:, k + 2:][sel], sel, extra
 
 
-def run_batch(head, base, args, tokens, answer, W, d2t, t2d, train: bool):
-    """One batch: the base's hidden states (frozen, no grad, computed once for every head), then each
-    head's loss and top-1/top-5 hits where it predicts an answer token. With train, backpropagates one
-    head at a time, so that only one [N, V] logits tensor lives at once.
-    tokens, answer: [B, T] (answer[b, t]: token t is a self-distilled answer token).
-    Returns (weighted loss, hits1 [K], hits5 [K], counts [K])."""
+def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
+    """One batch: the base's hidden states (frozen, no grad, computed once for every head, or given:
+    h [B, T, dim] from the features cache), then each head's loss and top-1/top-5 hits where it predicts
+    an answer token. With train, backpropagates one head at a time, so that only one [N, V'] logits
+    tensor lives at once. tokens, answer: [B, T] (answer[b, t]: token t is a self-distilled answer token);
+    W [V', dim]: the base's lm_head rows of the draft vocab. Returns (weighted loss, hits1 [K], hits5 [K], counts [K])."""
     T = tokens.shape[1]
     amp = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.bf16)  # the heads'
-    with torch.no_grad():
-        base_logits, _, h = base(tokens, torch.arange(T, device=tokens.device), return_hidden=True)  # [B, T, V], [B, T, dim]
+    if h is None:
+        with torch.no_grad():
+            h = base(tokens, torch.arange(T, device=tokens.device), return_hidden=True)[2]    # [B, T, dim]
+    h = h.to(W.dtype)
     teacher = args.targets == "teacher" or (args.targets == "auto" and args.head in ("hydra", "eagle"))
-    if not teacher:
-        del base_logits
     with amp, torch.set_grad_enabled(train):
         trunk = head_trunk(head, base, args, h, tokens, train)
     # a shared trunk (EAGLE's layer, Hydra++'s prefix) is cut off here and backpropagated once at the end
@@ -409,8 +428,8 @@ def run_batch(head, base, args, tokens, answer, W, d2t, t2d, train: bool):
                 # KL(base || head) to the base's distribution at t+k+1 (the soft cross-entropy less the
                 # base's entropy: the same gradient, and 0 at a perfect match); with a draft vocab, that
                 # distribution renormalised over it
-                p = base_logits[:, k + 1:T - 1][sel].float()                    # [N, V]
-                logp_base = F.log_softmax(p if d2t is None else p[:, d2t], -1)
+                with torch.no_grad():
+                    logp_base = F.log_softmax(F.linear(h[:, k + 1:T - 1][sel], W).float(), -1)  # [N, V']
                 loss = F.kl_div(logp, logp_base, log_target=True, reduction="batchmean")
             else:
                 ok = tgt >= 0
@@ -430,16 +449,51 @@ def run_batch(head, base, args, tokens, answer, W, d2t, t2d, train: bool):
 
 # ---------------------------------------------------------------- training
 
-def make_batch(seqs, plens, ids, B: int, device):
-    """Right-padded [B, T] tokens and answer mask; missing rows (a short last batch) are all padding."""
+def make_batch(seqs, plens, ids, B: int, device, feats=None, offsets=None):
+    """Right-padded [B, T] tokens and answer mask; missing rows (a short last batch) are all padding.
+    With feats (the features cache) and its sequence offsets, also their hidden states [B, T, dim], else None."""
     T = max(len(seqs[i]) for i in ids)
     tokens = torch.zeros(B, T, dtype=torch.long)
     answer = torch.zeros(B, T, dtype=torch.bool)
+    h = None if feats is None else torch.zeros(B, T, feats.shape[1], dtype=torch.float16)
     for r, i in enumerate(ids):
         s = seqs[i]
         tokens[r, :len(s)] = torch.from_numpy(s.astype(np.int64))
         answer[r, plens[i]:len(s)] = True
-    return tokens.to(device), answer.to(device)
+        if h is not None:
+            h[r, :len(s)] = torch.from_numpy(np.array(feats[offsets[i]:offsets[i] + len(s)]))
+    return tokens.to(device), answer.to(device), None if h is None else h.to(device)
+
+
+def cached_features(path, base, seqs, plens, B: int, device):
+    """The base's hidden states (after the final norm) at every token of the data, [total, dim] float16
+    (exact for bf16 values), computed once and kept in `path` (.npy, ~1 KB a token: not for the repo) so
+    that every later run, of any head, skips the frozen base forward, most of a training step's cost."""
+    total, dim = sum(len(s) for s in seqs), base.args.dim
+    path = Path(path)
+    if path.exists():
+        feats = np.load(path, mmap_mode="r")
+        if feats.shape == (total, dim):
+            return feats
+        print(f"note: {path} holds {feats.shape}, this data needs {(total, dim)}: recomputing it", file=sys.stderr)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    tmp = path.with_name(path.name + ".tmp.npy")
+    feats = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(total, dim))
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # little padding
+    base.setup_caches(B, max(len(s) for s in seqs))
+    with torch.no_grad():
+        for j in tqdm(range(0, len(order), B), desc=f"features -> {path}", dynamic_ncols=True):
+            ids = order[j:j + B]
+            tokens, _, _ = make_batch(seqs, plens, ids, B, device)
+            h = base(tokens, torch.arange(tokens.shape[1], device=device), return_hidden=True)[2].float()
+            if not torch.isfinite(h.half()).all():
+                raise ValueError("hidden states overflow float16: train without --features")
+            for r, i in enumerate(ids):
+                feats[offsets[i]:offsets[i + 1]] = h[r, :len(seqs[i])].half().cpu().numpy()
+    feats.flush()
+    del feats
+    os.replace(tmp, path)
+    return np.load(path, mmap_mode="r")
 
 
 def epoch_batches(lengths, train_ids, B: int, seed: int, epoch: int) -> list:
@@ -498,6 +552,8 @@ def train(args):
     if meta.get("base_model") != base_name:
         print(f"warning: {args.data} was written by {meta.get('base_model')}, training for {base_name}",
               file=sys.stderr)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])  # of the uncut sequences, for --features
+    feats = cached_features(args.features, base, seqs, plens, args.batch_size, device) if args.features else None
     seqs = [s[:args.max_len] for s in seqs]
     plens = [min(int(p), len(s)) for p, s in zip(plens, seqs)]
     N = len(seqs)
@@ -558,10 +614,10 @@ def train(args):
         while step < stop_at:
             if batches is None or step % per_epoch == 0:
                 batches = epoch_batches(lengths, train_ids, B, args.seed, step // per_epoch)
-            tokens, answer = make_batch(seqs, plens, batches[step % per_epoch], B, device)
+            tokens, answer, h = make_batch(seqs, plens, batches[step % per_epoch], B, device, feats, offsets)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, args.warmup, lr)
-            loss, h1, _, n = run_batch(head, base, args, tokens, answer, W, d2t, t2d, train=True)
+            loss, h1, _, n = run_batch(head, base, args, tokens, answer, W, t2d, train=True, h=h)
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             opt.step()
@@ -588,8 +644,8 @@ def train(args):
     hits1, hits5, counts = [0] * K, [0] * K, [0] * K
     with torch.no_grad():
         for j in range(0, len(hold_ids), B):
-            tokens, answer = make_batch(seqs, plens, hold_ids[j:j + B], B, device)
-            _, a, b, c = run_batch(head, base, args, tokens, answer, W, d2t, t2d, train=False)
+            tokens, answer, h = make_batch(seqs, plens, hold_ids[j:j + B], B, device, feats, offsets)
+            _, a, b, c = run_batch(head, base, args, tokens, answer, W, t2d, train=False, h=h)
             hits1 = [x + y for x, y in zip(hits1, a)]
             hits5 = [x + y for x, y in zip(hits5, b)]
             counts = [x + y for x, y in zip(counts, c)]
@@ -597,8 +653,6 @@ def train(args):
     top5 = [round(h / max(1, c), 4) for h, c in zip(hits5, counts)]
 
     save_heads(head, out, base_model=base_name)
-    if d2t is not None:
-        add_draft_vocab(out, args.head, d2t)
     n_curve = min(20, len(losses))
     chunk = len(losses) / max(1, n_curve)
     record = {
@@ -616,19 +670,6 @@ def train(args):
     (out / "train_record.json").write_text(json.dumps(record, indent=1))
     print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}", file=sys.stderr)
     return {**record, "losses": losses}
-
-
-def add_draft_vocab(folder: Path, kind: str, d2t):
-    """Stores d2t [V'] (draft id -> token id) beside the weights and draft_vocab_size in config.json.
-    heads.load_heads does not read them yet."""
-    from safetensors.torch import load_file, save_file
-    f = folder / {"medusa": MEDUSA_FILES, "hydra": HYDRA_FILES, "eagle": EAGLE_FILES}[kind][0]
-    sd = load_file(f)
-    sd["d2t"] = d2t.cpu().long()
-    save_file(sd, f)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["draft_vocab_size"] = int(d2t.numel())
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
 # ---------------------------------------------------------------- CLI
@@ -662,7 +703,8 @@ def main(argv=None):
     t.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     t.add_argument("--num_heads", type=int, default=4, help="Medusa/Hydra heads (the named trees are 4 deep)")
     t.add_argument("--num_layers", type=int, default=1, help="Medusa ResBlocks / Hydra MLP blocks per head")
-    t.add_argument("--shared_lm_head", action="store_true", help="Medusa: heads share the base's lm_head (MLC-LLM)")
+    t.add_argument("--shared_lm_head", action="store_true",
+                   help="Medusa, Hydra: heads share the base's lm_head (as MLC-LLM's Medusa), a fraction of the size")
     t.add_argument("--hydra_prefix", action="store_true", help="Hydra++: a decoder layer over the hidden states first")
     t.add_argument("--targets", default="auto", choices=["auto", "tokens", "teacher"],
                    help="tokens: cross-entropy to the data's tokens; teacher: to the base's distribution; "
@@ -687,11 +729,17 @@ def main(argv=None):
                                                        "(their weights stay fp32)")
     t.add_argument("--save_every", type=int, default=500, help="checkpoint every N steps (and at the end)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--features", default=None, help="cache of the base's hidden states over the data (.npy, made "
+                   "on first use, ~1 KB a token): later runs of any head skip the base forward")
     t.add_argument("--stop_after", type=int, default=0, help="stop (checkpointed) after step N; --resume later")
+
+    m = sub.add_parser("merge", help="join data files of parallel `data` runs (each with its own --seed) into one")
+    m.add_argument("out")
+    m.add_argument("inputs", nargs="+")
 
     args = p.parse_args(argv)
     try:
-        return make_data(args) if args.command == "data" else train(args)
+        return {"data": make_data, "train": train, "merge": merge_data}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

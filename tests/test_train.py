@@ -146,9 +146,17 @@ def train_args(tiny, dataset, out, kind, *extra):
             "--batch_size", "4", "--warmup", "3", "--save_every", "0", "--lr", "3e-3", *extra]
 
 
-def speculative_equals_autoregressive(model, head, prompt, new, **spec):
+def speculative_equals_autoregressive(model, head, prompt, new, drafted=None, **spec):
+    """drafted: a list that collects every step's draft tokens."""
     eos = None
     draft, accept, depth, nodes, scratch = generate.speculator(model, head, **spec)
+    if drafted is not None:
+        inner = draft
+
+        def draft(*state):
+            tokens, tree = inner(*state)
+            drafted.append(tokens)
+            return tokens, tree
     generate.setup_caches(model, head, len(prompt) + new + nodes, scratch)
     sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
     prompt = torch.tensor(prompt)
@@ -207,14 +215,19 @@ def test_resume_continues_exactly(tiny, dataset, tmp_path, capsys):
     assert "--steps 12" in capsys.readouterr().err
 
 
-def test_draft_vocab(tiny, dataset, tmp_path):
+@pytest.mark.parametrize("kind,extra", [("medusa", []), ("hydra", ["--shared_lm_head"]), ("eagle", [])])
+def test_draft_vocab(tiny, dataset, tmp_path, kind, extra):
     out = tmp_path / "dv"
-    record = train.main(train_args(tiny, dataset, out, "medusa", "--steps", "20", "--draft_vocab", "64"))
+    record = train.main(train_args(tiny, dataset, out, kind, "--steps", "20", "--draft_vocab", "64", *extra))
     assert np.mean(record["losses"][-5:]) < np.mean(record["losses"][:5])
-    sd = load_file(out / heads.MEDUSA_FILES[0])
-    d2t = sd.pop("d2t")
+    f = {"medusa": heads.MEDUSA_FILES, "hydra": heads.HYDRA_FILES, "eagle": heads.EAGLE_FILES}[kind][0]
+    sd = load_file(out / f)
+    d2t = sd.pop("d2t") + torch.arange(64)  # EAGLE-3's layout: offsets
     assert d2t.shape == (64,) and torch.equal(d2t, d2t.sort().values)
-    assert sd["0.1.weight"].shape == (64, 64)  # head 0's lm_head over the draft vocab
+    if kind == "medusa":
+        assert sd["0.1.weight"].shape == (64, 64)  # head 0's lm_head over the draft vocab
+    if kind == "hydra":
+        assert not any(k.startswith("hydra_lm_head") for k in sd)  # the base's lm_head, shared
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
     # the most frequent answer tokens of the training split
     seqs, plens, _, _ = train.read_data(dataset)
@@ -222,3 +235,40 @@ def test_draft_vocab(tiny, dataset, tmp_path):
     counts = np.bincount(np.concatenate([s[p:] for s, p in zip(seqs[:n_train], plens[:n_train])]).astype(np.int64),
                          minlength=TINY_VOCAB)
     assert counts[d2t.numpy()].min() >= np.delete(counts, d2t.numpy()).max()
+
+    # loaded back, it drafts only draft-vocab tokens, and decoding stays exact
+    model, _ = load_model(str(tiny))
+    head = heads.load_heads(out, model)
+    assert torch.equal(head.d2t, d2t)
+    prompt = seqs[-1][:plens[-1]].tolist()
+    drafted = []
+    speculative_equals_autoregressive(model, head, prompt, 40, drafted, tree="tree10")
+    if kind == "eagle":
+        speculative_equals_autoregressive(model, head, prompt, 40, drafted, dynamic=(3, 3, 8))
+    assert len(drafted) > 3 and all(torch.isin(t[1:], d2t).all() for t in drafted)  # t[0]: the root
+
+
+def test_features_cache(tiny, dataset, tmp_path):
+    """--features: the base's hidden states cached on disk give the training run without it, and the
+    cache is remade when the data changes."""
+    feats = tmp_path / "h.npy"
+    plain = train.main(train_args(tiny, dataset, tmp_path / "a", "hydra", "--steps", "8"))
+    cached = train.main(train_args(tiny, dataset, tmp_path / "b", "hydra", "--steps", "8", "--features", str(feats)))
+    seqs, _, _, _ = train.read_data(dataset)
+    assert np.load(feats, mmap_mode="r").shape == (sum(map(len, seqs)), 64)
+    np.testing.assert_allclose(cached["losses"], plain["losses"], rtol=2e-3)
+    assert cached["heldout"]["top1"] == plain["heldout"]["top1"]
+    again = train.main(train_args(tiny, dataset, tmp_path / "c", "hydra", "--steps", "8", "--features", str(feats)))
+    assert again["losses"] == cached["losses"]  # read back, not recomputed
+    np.save(feats, np.zeros((3, 64), np.float16))  # stale: another data file's
+    train.main(train_args(tiny, dataset, tmp_path / "d", "hydra", "--steps", "1", "--features", str(feats)))
+    assert np.load(feats, mmap_mode="r").shape == (sum(map(len, seqs)), 64)
+
+
+def test_merge(tiny, dataset, tmp_path):
+    out = tmp_path / "merged.npz"
+    train.main(["merge", str(out), str(dataset), str(dataset)])
+    seqs, plens, sources, meta = train.read_data(dataset)
+    both, both_plens, both_sources, both_meta = train.read_data(out)
+    assert len(both) == 2 * len(seqs) and all(np.array_equal(a, b) for a, b in zip(seqs + seqs, both))
+    assert both_plens.tolist() == 2 * plens.tolist() and both_meta["base_model"] == meta["base_model"]
