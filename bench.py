@@ -53,10 +53,12 @@ def hf(dtype, prompt, n):
     return measure
 
 
-def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_category, n, max_prompt):
+def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_category, n, max_prompt,
+                   compile_mode=None):
     """Mean tokens per step (tau) of greedy speculative decoding on the first questions of each
-    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only), eager (tau does not
-    depend on speed). Returns {category: (tau, questions, tokens)}."""
+    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only). compile_mode: compile the
+    step once (one cache of max_prompt + n slots for every prompt: what a question leaves in it past its
+    own length is masked), else eager. Returns {category: (tau, questions, tokens)}."""
     import json
     from collections import defaultdict
     path = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"
@@ -67,11 +69,15 @@ def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_c
         if len(ids) <= max_prompt and len(by_cat[q["category"]]) < per_category:
             by_cat[q["category"]].append(ids)
     step = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
+    if compile_mode:
+        G.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
+        step = G.compile_step(step, "cpu", None if compile_mode == "default" else compile_mode)
     out = {}
     for cat, prompts in by_cat.items():
         tokens = steps = 0
         for ids in prompts:
-            G.setup_caches(model, head, G.cache_size(len(ids), n, nodes, model.args.max_seq_len), scratch)
+            if not compile_mode:
+                G.setup_caches(model, head, G.cache_size(len(ids), n, nodes, model.args.max_seq_len), scratch)
             with torch.inference_mode():
                 first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
                 o = G.decode(step, state, first, n, tok.eos_id)
@@ -90,32 +96,36 @@ def main():
     p.add_argument("--skip_eager", action="store_true")
     p.add_argument("--heads", default=None)
     p.add_argument("--tree", default="tree16")
+    p.add_argument("--lookup", type=int, default=0, help="add a prompt-lookup branch (N-gram) to the head's tree")
     p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens")
     p.add_argument("--spec_bench", type=int, default=0, metavar="N",
                    help="instead: tau of --heads on the first N Spec-Bench questions of each category")
     p.add_argument("--max_prompt", type=int, default=1024, help="with --spec_bench: skip longer prompts")
+    p.add_argument("--compile", action="store_true", help="with --spec_bench: compile the step (faster, same tau)")
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(None, "cpu", dtype)
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])))
     n = args.max_new_tokens
-    head = load_heads(args.heads, model) if args.heads else None
+    head = load_heads(args.heads, model, None, args.lookup) if args.heads else None
     draft = accept = None
     depth, nodes, scratch = 0, 1, 0
     if head is not None:
         dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
         draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
     if args.spec_bench:
-        taus = spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, args.spec_bench, n, args.max_prompt)
-        print(f"\n{args.heads} {args.dynamic_tree or args.tree}, greedy, {n} new tokens, {args.dtype}")
+        t0 = time.perf_counter()
+        taus = spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, args.spec_bench, n, args.max_prompt,
+                              args.compile_mode or "default" if args.compile else None)
+        print(f"\n{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}, greedy, {n} new tokens, {args.dtype}")
         print("| category | questions | new tokens | tau |\n|---|---|---|---|")
         for cat, (tau, q, t) in taus.items():
             print(f"| {cat} | {q} | {t} | {tau:.2f} |")
         all_t = sum(t for _, _, t in taus.values())
         all_s = sum(t / tau for tau, _, t in taus.values())
         print(f"| all | {sum(q for _, q, _ in taus.values())} | {all_t} | {all_t / all_s:.2f} |")
-        print("command: python " + " ".join(sys.argv))
+        print(f"({time.perf_counter() - t0:.0f} s) command: python " + " ".join(sys.argv))
         return
     G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
     ar = lambda t, pos: G.ar_step(model, t, pos)

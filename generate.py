@@ -13,7 +13,7 @@ import time
 import torch
 
 from checkpoint import load_model
-from heads import draft_dynamic, draft_static, load_heads, plan_to, static_plan
+from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
 from trees import emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
 
 
@@ -92,8 +92,12 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
                 top_p=1.0, posterior_threshold=0.09, posterior_alpha=0.3):
     """The draft and accept functions of a speculative step, fixed once.
     tree: a tree name or JSON file (static); dynamic: (top_k, depth, total_tokens) for EAGLE-2 trees.
+    A WithLookup head adds its prompt-lookup chain to a static tree.
     Returns (draft, accept, depth, tree_nodes, head_scratch): the last two size the caches."""
     device = model.output.weight.device
+    lookup = isinstance(head, WithLookup)
+    if lookup and dynamic:
+        raise ValueError("--lookup adds a branch to a static tree: use --tree, not --dynamic_tree")
     if dynamic:
         k, depth, total = dynamic
         pool = k + (depth - 1) * k * k
@@ -103,12 +107,13 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
         nodes, scratch = total, pool + 1
         draft = lambda h, t, n, P: draft_dynamic(head, model, h, t, n, P, k, depth, total)
     else:
-        plan = plan_to(static_plan(load_tree(tree)), device)
+        plan = plan_to(static_plan(load_tree(tree), lookup), device)
         depth, nodes = plan.tree.depth, plan.tree.num_nodes
         scratch = nodes
         draft = lambda h, t, n, P: draft_static(head, model, plan, h, t, n, P)
-    if getattr(head, "num_heads", depth) < depth:
-        raise ValueError(f"the tree is {depth} deep but the head has only {head.num_heads} heads: use a shallower tree")
+    inner = head.head if lookup else head
+    if getattr(inner, "num_heads", depth) < depth:
+        raise ValueError(f"the tree is {depth} deep but the head has only {inner.num_heads} heads: use a shallower tree")
     if acceptance == "greedy" or temperature == 0:
         accept = lambda logits, d, tr: greedy_accept(logits, d, tr.retrieve_indices)
     elif acceptance == "typical":
@@ -221,6 +226,8 @@ def main(argv=None):
     s.add_argument("--head_type", choices=["medusa", "hydra", "eagle"], default=None, help="default: from the checkpoint")
     s.add_argument("--tree", default="tree16", help="static tree: a name (mc_sim_7b_63, tree16, ...) or a JSON file")
     s.add_argument("--dynamic_tree", action="store_true", help="EAGLE-2 dynamic tree (--top_k, --depth, --total_tokens)")
+    s.add_argument("--lookup", type=int, default=0, metavar="N", help="add a prompt-lookup branch (matching up to "
+                   "N tokens of the context, 3 is good) to the head's static tree")
     s.add_argument("--depth", type=int, default=4)
     s.add_argument("--total_tokens", type=int, default=16)
     s.add_argument("--acceptance", default="greedy", choices=["greedy", "typical", "sample"],
@@ -245,7 +252,9 @@ def run(args):
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.checkpoint, device, getattr(torch, args.dtype))
-    head = load_heads(args.heads, model, args.head_type).to(device) if args.heads else None
+    if args.lookup and not args.heads:
+        raise ValueError("--lookup adds a branch to a head's tree: give --heads too (or --heads ngram alone)")
+    head = load_heads(args.heads, model, args.head_type, args.lookup).to(device) if args.heads else None
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     sampling = dict(temperature=args.temperature, top_k=0 if args.dynamic_tree else args.top_k, top_p=args.top_p)
     ar = lambda token, pos: ar_step(model, token, pos, **sampling)

@@ -264,6 +264,25 @@ class NGram(nn.Module):
         return (vocab == state[0, depth]).float()[None], state      # all zeros when there is no proposal (-1)
 
 
+class WithLookup(nn.Module):
+    """A head plus prompt lookup: its static tree gets one more branch from the root, a chain as deep
+    as the tree whose tokens are the NGram drafter's proposal. The head never expands that branch, so
+    it costs only its verification (depth more tree nodes); where the context repeats itself (the
+    default model's answers often do), the chain wins."""
+
+    def __init__(self, head, ngram: NGram):
+        super().__init__()
+        self.head, self.ngram = head, ngram
+
+    def setup_caches(self, max_seq_len: int):
+        self.head.setup_caches(max_seq_len)
+        self.ngram.setup_caches(max_seq_len)
+
+    def prefill(self, base, h, next_tokens):
+        self.head.prefill(base, h, next_tokens)
+        self.ngram.prefill(base, h, next_tokens)
+
+
 # ---------------------------------------------------------------- drafting a tree
 
 @dataclass
@@ -276,17 +295,23 @@ class StaticPlan:
     expand_nodes: list       # per depth d >= 1: [F_d] nodes at depth d that have children
     expand_parent_row: list  # per depth d >= 1: [F_d] their parents' rows among the expanded rows of d-1
     expand_offset: list      # per depth d >= 1: [F_d] their index among the nodes of depth d
+    lookup: bool = False     # the last node of every depth is the prompt-lookup chain's (WithLookup)
 
 
-def static_plan(paths: list) -> StaticPlan:
-    """paths: Medusa-style index paths; a node at depth d takes choice path[-1] of its parent's top-k."""
-    tree = tree_buffers(paths)
-    paths = [()] + sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))  # tree_buffers' node order
+def static_plan(paths: list, lookup: bool = False) -> StaticPlan:
+    """paths: Medusa-style index paths; a node at depth d takes choice path[-1] of its parent's top-k.
+    lookup: add a chain from the root, as deep as the tree, for WithLookup's proposal."""
+    paths = [tuple(p) for p in paths]
+    depth = max(map(len, paths), default=0)
+    c = max((p[0] for p in paths), default=-1) + 1     # a choice no head node takes: sorts last at every depth
+    chain = [(c,) + (0,) * k for k in range(depth)] if lookup else []
+    tree = tree_buffers(paths + chain)
+    paths = [()] + sorted(paths + chain, key=lambda p: (len(p), p))  # tree_buffers' node order
     node = {p: i for i, p in enumerate(paths)}
-    plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None])
+    plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None], lookup)
     rows = [()]  # the expanded nodes of the previous depth, in row order
     for d in range(1, tree.depth + 1):
-        nodes = [p for p in paths if len(p) == d]
+        nodes = [p for p in paths if len(p) == d and p not in chain]
         parents_of = {p[:-1] for p in paths if len(p) == d + 1}
         plan.child_parent_row.append(torch.tensor([rows.index(p[:-1]) for p in nodes]))
         plan.child_choice.append(torch.tensor([p[-1] for p in nodes]))
@@ -302,7 +327,7 @@ def static_plan(paths: list) -> StaticPlan:
 def plan_to(plan: StaticPlan, device) -> StaticPlan:
     mv = lambda xs: [x.to(device) if isinstance(x, Tensor) else x for x in xs]
     return StaticPlan(plan.tree.to(device), mv(plan.child_parent_row), mv(plan.child_choice), plan.topk,
-                      mv(plan.expand_nodes), mv(plan.expand_parent_row), mv(plan.expand_offset))
+                      mv(plan.expand_nodes), mv(plan.expand_parent_row), mv(plan.expand_offset), plan.lookup)
 
 
 def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):
@@ -325,13 +350,16 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
     """Tokens for every node of a fixed tree. Returns (draft_tokens [N], tree)."""
     tree, D = plan.tree, plan.tree.depth
     root = last_row(next_tokens, n)                               # [1]
+    if plan.lookup:
+        chain = head.ngram.begin(base, h, next_tokens, n, P)[1][0, :D].clamp(min=0)  # [D]; no proposal: token 0,
+        head = head.head                                          # harmless: verification checks every token
     logits, state = head.begin(base, h, next_tokens, n, P)       # [1, V], [1, *]
     out = [root]
     for d in range(1, D + 1):
         top = logits.topk(plan.topk[d], dim=-1).indices           # [rows or 1, topk]
         rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
         tokens = token_ids(head, top[rows, plan.child_choice[d]])  # [n_d]
-        out.append(tokens)
+        out += [tokens, chain[d - 1:d]] if plan.lookup else [tokens]
         if d < D:
             nodes = plan.expand_nodes[d]
             attn = draft_attn(head, P, n, d, D, nodes, tree.tree_mask[nodes])
@@ -381,15 +409,20 @@ HYDRA_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def load_heads(path, base, head_type: Optional[str] = None):
-    """A draft head from its official layout: a local folder or a hub id.
+def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
+    """A draft head from its official layout: a local folder or a hub id; with lookup=N, wrapped in
+    WithLookup with an N-gram prompt-lookup drafter.
     Medusa: config.json (medusa_num_heads, medusa_num_layers) + medusa_lm_head.{pt,safetensors};
     Hydra: config.json (hydra_num_heads, hydra_num_layers, hydra_head_arch mlp|prefix-mlp,
     grounded_heads) + hydra_lm_head.{pt,safetensors}; EAGLE: a Llama-style config.json
     (num_hidden_layers 1, bias) + pytorch_model.bin or model.safetensors.
     Checks that the head fits `base` (hidden size, vocab) and casts it to the base's dtype."""
     if str(path).startswith("ngram"):  # "ngram" or "ngram:N": the context n-gram drafter, no weights
+        if lookup:
+            raise HeadError("--lookup adds prompt lookup to a trained head; the n-gram drafter is prompt lookup already")
         return NGram(base.args.vocab_size, int(str(path).partition(":")[2] or 3))
+    if lookup:
+        return WithLookup(load_heads(path, base, head_type), NGram(base.args.vocab_size, lookup))
     folder = Path(path).expanduser()
     if not folder.is_dir():
         if folder.exists() or str(path).count("/") != 1:

@@ -1,9 +1,10 @@
 """The context n-gram drafter (prompt lookup): what it proposes, and that speculative decoding
 with it is exact and, on repetitive text, accepts long paths."""
+import pytest
 import torch
 
 import generate as G
-from heads import NGram, load_heads
+from heads import NGram, WithLookup, load_heads
 
 
 def proposal(ngram, context, depth=4):
@@ -50,3 +51,42 @@ def test_greedy_speculative_with_ngram_equals_autoregressive(default_model):
         assert out == ref
         taus.append((len(out) - 1) / G.decode.steps)
     assert taus[0] > 2.0, taus  # the list repeats itself: long chains are accepted
+
+
+def test_lookup_branch_joins_the_tree():
+    from heads import static_plan
+    from trees import load_tree
+    paths = load_tree("tree10")
+    plain, plan = static_plan(paths), static_plan(paths, lookup=True)
+    D = plain.tree.depth
+    assert plan.tree.num_nodes == plain.tree.num_nodes + D and plan.tree.depth == D
+    # the chain: the last node of every depth, each the child of the one above, the first the root's
+    last = [int((plan.tree.positions == d).nonzero().max()) for d in range(1, D + 1)]
+    assert [int(plan.tree.parents[i]) for i in last] == [0] + last[:-1]
+    # the head's own nodes are expanded as before
+    assert [len(x) for x in plan.expand_nodes[1:]] == [len(x) for x in plain.expand_nodes[1:]]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_head_with_lookup_equals_autoregressive(default_model, kind):
+    """A random head (its drafts almost never accepted) plus the lookup branch: exact, and the branch
+    alone gets long paths accepted on repetitive text."""
+    from test_speculative import make_head
+    model, tok = default_model
+    head = WithLookup(make_head(kind, model.args, seed=1), NGram(model.args.vocab_size, 3)).to(model.output.weight.dtype)
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, "tree10")
+    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": "List the days of the week, each with one "
+                                                                            "sentence about it."}])))
+    n = 64
+    S = len(prompt) + n + nodes
+    with torch.inference_mode():
+        G.setup_caches(model, None, S)
+        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
+        ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
+        G.setup_caches(model, head, S, scratch)
+        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
+        out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
+    assert out == ref
+    assert (len(out) - 1) / G.decode.steps > 2.0
+    with pytest.raises(ValueError, match="static tree"):
+        G.speculator(model, head, dynamic=(4, 4, 16))
