@@ -603,3 +603,47 @@ def test_the_sampling_check_catches_lossy_typical_acceptance(small_setup):
     tv = 0.5 * (counts / runs - small_setup.joint).abs().sum().item()
     print(f"typical acceptance: chi-square p {p:.3g}, total variation {tv:.3f}")
     assert p < 1e-6
+
+
+# ---------------------------------------------------------------- the EAGLE draft's own tree attention
+
+@pytest.mark.parametrize("n,lookup", [(1, False), (3, False), (2, True)])
+def test_eagle_draft_nodes_see_exactly_their_path(n, lookup):
+    """Every node that EAGLE expands in a static tree gets the logits that running its draft layer
+    along the node's path, one row at a time, gives. A wrong draft attention mask (a sibling's or a
+    stale scratch row visible, an ancestor hidden, a wrong position) fails here, though in decoding it
+    would only lower tau. n: the accepted path's length (catch-up rows); lookup: the tree carries the
+    prompt-lookup branch, which shifts node ids."""
+    base, P, dim = tiny_model(seed=2), 20, TINY.dim
+    eagle = make_head("eagle", TINY, seed=3)
+    with torch.no_grad():  # sharp attention: with make_head's small weights it is near uniform and blind to positions
+        eagle.layer.block.attention.wqkv.weight.mul_(20)
+    head = H.WithLookup(eagle, H.NGram(TINY.vocab_size)) if lookup else eagle
+    plan = H.static_plan(T.load_tree("tree16"), lookup)
+    tree, D = plan.tree, plan.tree.depth
+    head.setup_caches(P + 2 * (D + 1) + tree.num_nodes)
+    g = torch.Generator().manual_seed(n)
+    prompt_h, prompt_next = torch.randn(P - n + 1, dim, generator=g), torch.randint(0, 97, (P - n + 1,), generator=g)
+    h, next_tokens = torch.randn(D + 1, dim, generator=g), torch.randint(0, 97, (D + 1,), generator=g)
+    calls = {}
+    begin, expand = eagle.begin, eagle.expand
+    eagle.begin = lambda *a: calls.setdefault("begin", begin(*a))
+    eagle.expand = lambda *a: calls.setdefault(a[1], expand(*a))       # keyed by depth
+    with torch.inference_mode():
+        head.prefill(base, prompt_h, prompt_next)                       # rows 0 .. P-n-1
+        draft_tokens, _ = H.draft_static(head, base, plan, h, next_tokens, torch.tensor(n), torch.tensor(P))
+        checked = 0
+        slot = torch.arange(eagle.cache_len)
+        for d in range(1, D):
+            logits = calls[d][0]                                        # [F_d, V]
+            for r, i in enumerate(plan.expand_nodes[d].tolist()):
+                path = tree.tree_mask[i].nonzero()[:, 0]
+                path = path[tree.positions[path].argsort()][1:]          # the node's ancestors but the root, and itself
+                f = calls["begin"][1]                                   # the root's predicted feature [1, dim]
+                for j, node in enumerate(path.tolist()):
+                    pos = torch.tensor([P + j])
+                    mask = (slot < P) | ((slot >= P) & (slot <= P + j))
+                    f = eagle.layer(eagle.rows(base, f, draft_tokens[node].view(1)), pos, pos, mask[None])
+                torch.testing.assert_close(logits[r], base.output(f)[0], atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked == sum(len(x) for x in plan.expand_nodes[1:])
