@@ -494,12 +494,14 @@ def _draft_vocab(sd: dict, cfg: dict, vocab: int, folder) -> Optional[Tensor]:
     return ids
 
 
-def save_heads(head, folder, base_model: str = ""):
-    """Writes a head in its official layout (safetensors), the inverse of load_heads."""
+def save_heads(head, folder, base_model: str = "", dtype: Optional[torch.dtype] = None):
+    """Writes a head in its official layout (safetensors), the inverse of load_heads; dtype: cast its
+    weights (bf16 halves the files)."""
     from safetensors.torch import save_file
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    sd = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous()
+          for k, v in head.state_dict().items()}
     if isinstance(head, Medusa):
         cfg = {"medusa_num_heads": head.num_heads, "medusa_num_layers": sum(isinstance(m, ResBlock) for m in head.medusa_head[0]),
                "base_model_name_or_path": base_model}

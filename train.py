@@ -652,7 +652,7 @@ def train(args):
     top1 = [round(h / max(1, c), 4) for h, c in zip(hits1, counts)]
     top5 = [round(h / max(1, c), 4) for h, c in zip(hits5, counts)]
 
-    save_heads(head, out, base_model=base_name)
+    save_heads(head, out, base_model=base_name, dtype=getattr(torch, args.save_dtype))
     n_curve = min(20, len(losses))
     chunk = len(losses) / max(1, n_curve)
     record = {
@@ -727,6 +727,8 @@ def main(argv=None):
     t.add_argument("--device", default="cpu")
     t.add_argument("--bf16", action="store_true", help="the base in bfloat16, the heads under bfloat16 autocast "
                                                        "(their weights stay fp32)")
+    t.add_argument("--save_dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the saved heads' weights (training keeps fp32)")
     t.add_argument("--save_every", type=int, default=500, help="checkpoint every N steps (and at the end)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     t.add_argument("--features", default=None, help="cache of the base's hidden states over the data (.npy, made "
