@@ -32,24 +32,29 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert proposal(ng, [1, 2, 3, 4]) == [-1, -1, -1, -1]
 
 
+def speculative_tau(model, tok, head, tree, text, n=64):
+    """Greedy speculative decoding of a chat prompt; asserts it equals autoregressive decoding; -> tau."""
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}])))
+    S = len(prompt) + n + nodes
+    with torch.inference_mode():
+        G.setup_caches(model, None, S)
+        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
+        ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
+        G.setup_caches(model, head, S, scratch)
+        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
+        out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
+    assert out == ref
+    return (len(out) - 1) / G.decode.steps
+
+
+DAYS = "List the days of the week, each with one sentence about it."
+
+
 def test_greedy_speculative_with_ngram_equals_autoregressive(default_model):
     model, tok = default_model
     head = load_heads("ngram", model)
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, "chain4")
-    taus = []
-    for text in ["List the days of the week, each with one sentence about it.", "What is 12 times 13?"]:
-        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}])))
-        n = 64
-        S = len(prompt) + n + nodes
-        with torch.inference_mode():
-            G.setup_caches(model, None, S)
-            first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-            ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
-            G.setup_caches(model, head, S, scratch)
-            first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-            out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
-        assert out == ref
-        taus.append((len(out) - 1) / G.decode.steps)
+    taus = [speculative_tau(model, tok, head, "chain4", text) for text in [DAYS, "What is 12 times 13?"]]
     assert taus[0] > 2.0, taus  # the list repeats itself: long chains are accepted
 
 
@@ -74,19 +79,6 @@ def test_head_with_lookup_equals_autoregressive(default_model, kind):
     from test_speculative import make_head
     model, tok = default_model
     head = WithLookup(make_head(kind, model.args, seed=1), NGram(model.args.vocab_size, 3)).to(model.output.weight.dtype)
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, "tree10")
-    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": "List the days of the week, each with one "
-                                                                            "sentence about it."}])))
-    n = 64
-    S = len(prompt) + n + nodes
-    with torch.inference_mode():
-        G.setup_caches(model, None, S)
-        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-        ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
-        G.setup_caches(model, head, S, scratch)
-        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-        out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
-    assert out == ref
-    assert (len(out) - 1) / G.decode.steps > 2.0
+    assert speculative_tau(model, tok, head, "tree10", DAYS) > 2.0
     with pytest.raises(ValueError, match="static tree"):
         G.speculator(model, head, dynamic=(4, 4, 16))
