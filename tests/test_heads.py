@@ -227,3 +227,31 @@ def test_cli_with_a_saved_eagle_head_gives_the_autoregressive_output(default_mod
     assert r.returncode == 0, r.stderr[-2000:]
     assert "outputs identical" in r.stderr, r.stderr[-2000:]
     assert "tau" in r.stderr
+
+
+# ---------------------------------------------------------------- the heads shipped for the default model
+
+SHIPPED = ["medusa-smollm2", "hydra-smollm2", "eagle-smollm2"]
+HEADS_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "heads"
+
+
+def test_shipped_heads_are_small_bf16_files():
+    files = [f for name in SHIPPED for f in (HEADS_DIR / name).glob("*.safetensors")]
+    assert len(files) == len(SHIPPED)
+    assert sum(f.stat().st_size for f in files) < 30e6
+    from safetensors import safe_open
+    for f in files:
+        with safe_open(f, "pt") as st:
+            assert {st.get_slice(k).get_dtype() for k in st.keys() if k != "d2t"} == {"BF16"}, f
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_heads_decode_exactly_and_get_drafts_accepted(default_model, name):
+    """On the default model in fp32: greedy speculative output equals autoregressive output, and the
+    trained head gets drafts accepted (a random head's tau is 1.0)."""
+    from test_ngram import speculative_tau
+    model, tok = default_model
+    head = H.load_heads(HEADS_DIR / name, model)
+    assert len(head.d2t) == 8192
+    tau = speculative_tau(model, tok, head, "tree16", "Explain why the sky is blue, in three sentences.", n=64)
+    assert tau > 1.2, tau  # measured: Medusa 1.29, Hydra 1.47, EAGLE 1.62
