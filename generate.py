@@ -13,7 +13,7 @@ import time
 import torch
 
 from checkpoint import load_model
-from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
+from heads import WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
 from trees import emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
 
 
