@@ -54,9 +54,9 @@ def hf(dtype, prompt, n):
 
 
 def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_category, n, max_prompt,
-                   compile_mode=None):
+                   compile=False, compile_mode=None):
     """Mean tokens per step (tau) of greedy speculative decoding on the first questions of each
-    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only). compile_mode: compile the
+    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only). compile: compile the
     step once (one cache of max_prompt + n slots for every prompt: what a question leaves in it past its
     own length is masked), else eager. Returns {category: (tau, questions, tokens)}."""
     import json
@@ -69,14 +69,14 @@ def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_c
         if len(ids) <= max_prompt and len(by_cat[q["category"]]) < per_category:
             by_cat[q["category"]].append(ids)
     step = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
-    if compile_mode:
+    if compile:
         G.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
-        step = G.compile_step(step, "cpu", None if compile_mode == "default" else compile_mode)
+        step = G.compile_step(step, "cpu", compile_mode)
     out = {}
     for cat, prompts in by_cat.items():
         tokens = steps = 0
         for ids in prompts:
-            if not compile_mode:
+            if not compile:
                 G.setup_caches(model, head, G.cache_size(len(ids), n, nodes, model.args.max_seq_len), scratch)
             with torch.inference_mode():
                 first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
@@ -117,7 +117,7 @@ def main():
     if args.spec_bench:
         t0 = time.perf_counter()
         taus = spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, args.spec_bench, n, args.max_prompt,
-                              args.compile_mode or "default" if args.compile else None)
+                              args.compile, args.compile_mode)
         print(f"\n{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}, greedy, {n} new tokens, {args.dtype}")
         print("| category | questions | new tokens | tau |\n|---|---|---|---|")
         for cat, (tau, q, t) in taus.items():

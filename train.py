@@ -8,7 +8,7 @@
 Self-distillation: a head is right when it guesses what the base model will say, so it learns from the
 base model's own greedy answers (what greedy speculative decoding must reproduce), not from human text.
 The data file keeps only token ids (a few MB, kept in the repo); the base model's hidden states are
-recomputed from them while training, one frozen forward a batch.
+recomputed from them while training, one frozen forward a batch, or once into a cache (--features).
 """
 import argparse
 import json
@@ -63,10 +63,8 @@ def write_data(path, seqs, prompt_lens, sources, meta):
     os.replace(tmp, path)  # a kill mid-write leaves the previous file whole
 
 
-# ---------------------------------------------------------------- prompts
-
 def merge_data(args):
-    """One file from several (say, two `data` runs on two cores with --seed 0 and --seed 1000000, whose
+    """One file from several (say, two `data` runs on two cores with --seed 0 and --seed 7777, whose
     invented prompts then differ): sequences in the order of the inputs, so the last file holds the held-out ones."""
     seqs, plens, sources, meta = [], [], [], None
     for f in args.inputs:
@@ -80,6 +78,8 @@ def merge_data(args):
     n = sum(len(s) - p for s, p in zip(seqs, plens))
     print(f"{args.out}: {len(seqs)} sequences, {n} answer tokens", file=sys.stderr)
 
+
+# ---------------------------------------------------------------- prompts
 
 def check_not_benchmark(path):
     p = Path(path)
