@@ -92,19 +92,17 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
                 top_p=1.0, posterior_threshold=0.09, posterior_alpha=0.3):
     """The draft and accept functions of a speculative step, fixed once.
     tree: a tree name or JSON file (static); dynamic: (top_k, depth, total_tokens) for EAGLE-2 trees.
-    A WithLookup head adds its prompt-lookup chain to a static tree.
+    A WithLookup head adds its prompt-lookup chain (as deep as the tree) to either.
     Returns (draft, accept, depth, tree_nodes, head_scratch): the last two size the caches."""
     device = model.output.weight.device
     lookup = isinstance(head, WithLookup)
-    if lookup and dynamic:
-        raise ValueError("--lookup adds a branch to a static tree: use --tree, not --dynamic_tree")
     if dynamic:
         k, depth, total = dynamic
         pool = k + (depth - 1) * k * k
         if not (k >= 1 and depth >= 1 and 2 <= total <= pool + 1):
             raise ValueError(f"dynamic tree needs --top_k >= 1, --depth >= 1 and 2 <= --total_tokens <= "
                              f"{pool + 1} (top_k + (depth-1) * top_k^2 + 1)")
-        nodes, scratch = total, pool + 1
+        nodes, scratch = total + (depth if lookup else 0), pool + 1
         draft = lambda h, t, n, P: draft_dynamic(head, model, h, t, n, P, k, depth, total)
     else:
         plan = plan_to(static_plan(load_tree(tree), lookup), device)
@@ -227,7 +225,7 @@ def main(argv=None):
     s.add_argument("--tree", default="tree16", help="static tree: a name (mc_sim_7b_63, tree16, ...) or a JSON file")
     s.add_argument("--dynamic_tree", action="store_true", help="EAGLE-2 dynamic tree (--top_k, --depth, --total_tokens)")
     s.add_argument("--lookup", type=int, default=0, metavar="N", help="add a prompt-lookup branch (matching up to "
-                   "N tokens of the context, 3 is good) to the head's static tree")
+                   "N tokens of the context, 3 is good) to the head's tree, static or dynamic")
     s.add_argument("--depth", type=int, default=4)
     s.add_argument("--total_tokens", type=int, default=16)
     s.add_argument("--acceptance", default="greedy", choices=["greedy", "typical", "sample"],

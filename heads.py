@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
-from trees import Tree, dynamic_select, tree_buffers
+from trees import Tree, dynamic_select, tree_buffers, tree_from_parents
 
 
 class HeadError(ValueError):
@@ -370,7 +370,12 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
 def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, total_tokens: int):
     """EAGLE-2's dynamic tree: expand the top_k best frontier nodes by cumulative log-prob for
     `depth` levels, then keep the best total_tokens - 1 of all drafted nodes. Static shapes.
-    Pool node j (0-based) has id j+1 (0 is the root) for the head's scratch slots."""
+    Pool node j (0-based) has id j+1 (0 is the root) for the head's scratch slots.
+    A WithLookup head adds its prompt-lookup chain, `depth` nodes deep, after the selected nodes."""
+    chain = None
+    if isinstance(head, WithLookup):
+        chain = head.ngram.begin(base, h, next_tokens, n, P)[1][0, :depth].clamp(min=0)  # [depth], as draft_static
+        head = head.head
     root = last_row(next_tokens, n)
     logits, state = head.begin(base, h, next_tokens, n, P)
     logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
@@ -399,7 +404,12 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         state = st[row]
     draft_tokens, tree = dynamic_select(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens),
                                         total_tokens, depth, root[0])
-    return draft_tokens, tree
+    if chain is None:
+        return draft_tokens, tree
+    # the chain hangs from the root: node total_tokens is its first, each later one the child of the one before
+    T = total_tokens
+    parents = torch.cat([tree.parents, tree.parents.new_zeros(1), torch.arange(T, T + depth - 1, device=dev)])
+    return torch.cat([draft_tokens, chain.to(draft_tokens.dtype)]), tree_from_parents(parents, depth)
 
 
 # ---------------------------------------------------------------- official checkpoint layouts

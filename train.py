@@ -140,6 +140,63 @@ def encode_prompt(tokenizer, text: str) -> list:
     return tokenizer.encode(tokenizer.chat([{"role": "user", "content": text}]), bos=False)
 
 
+# Prompts that quote a document, so that the heads also learn to copy from a long context (summaries,
+# extraction, questions on a passage, translation), which invented chat turns never do. {doc}: a
+# stretch of an answer the model wrote; {question}: the user turn that answer replied to.
+TASKS = [
+    (3, "Summarize: {doc}"),
+    (3, "Summarize the following text in a few sentences.\n\n{doc}"),
+    (2, "Write a short summary of this article:\n\n{doc}"),
+    (3, "{doc}\n\nUsing the passage above, answer the question: {question}"),
+    (2, "Read the text and answer the question.\n\nText: {doc}\n\nQuestion: {question}"),
+    (2, "Extract the key points of the following text as a bulleted list.\n\n{doc}"),
+    (1, "List every name, number and date that the following text mentions.\n\n{doc}"),
+    (1, "Give the following text a title, then list its three main ideas.\n\n{doc}"),
+    (1, "Rewrite the following text in simpler words.\n\n{doc}"),
+    (1, "Fix any mistakes in the following text and return the corrected text.\n\n{doc}"),
+    (1, "Translate English to French: {sentences}"),
+    (1, "Translate English to German: {sentences}"),
+    (1, "Translate to Spanish: {sentences}"),
+]
+
+
+def make_tasks(args):
+    """A prompts JSONL (for `train.py data --prompts`) of document tasks over the answers in a data file.
+    Documents come from all but its last --skip_last sequences, so that when the answers to these prompts
+    are merged in front of that file, the held-out sequences (the last ones) stay unseen as documents too."""
+    seqs, plens, _, meta = read_data(args.data)
+    _, tokenizer = load_model(args.checkpoint, "cpu")
+    head, tail = tokenizer.chat([{"role": "user", "content": "\x00"}]).split("\x00", 1)
+    use = len(seqs) - math.ceil(len(seqs) * args.skip_last)
+    if use <= 0:
+        raise ValueError(f"{args.data} holds no sequences to take documents from")
+    g = np.random.default_rng(args.seed)
+    weights = np.array([w for w, _ in TASKS], float)
+    rows = []
+    while len(rows) < args.n:
+        i = int(g.integers(use))
+        answer = [int(t) for t in seqs[i][plens[i]:] if int(t) != meta.get("eos_id")]
+        if len(answer) < args.min_doc:
+            continue
+        # a stretch from the answer's start, cut back to the end of a sentence or line
+        n = int(g.integers(args.min_doc, args.max_doc + 1))
+        doc = tokenizer.decode(answer[:n]).strip()
+        if n < len(answer):
+            cut = max(doc.rfind(". "), doc.rfind(".\n"), doc.rfind("\n"))
+            doc = doc[:cut + 1].strip() if cut > len(doc) // 2 else doc
+        question = tokenizer.decode([int(t) for t in seqs[i][:plens[i]]])
+        question = question[len(head):len(question) - len(tail)] if question.startswith(head) and question.endswith(tail) else ""
+        sentences = " ".join(doc.replace("\n", " ").split(". ")[:int(g.integers(1, 4))]).strip()
+        template = TASKS[g.choice(len(TASKS), p=weights / weights.sum())][1]
+        if ("{question}" in template and not question.strip()) or ("{sentences}" in template and len(sentences) < 40):
+            continue
+        rows.append(template.format(doc=doc, question=question.strip(), sentences=sentences))
+    rows.sort(key=len)  # batches of like lengths: little left padding in `train.py data`
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows), encoding="utf-8")
+    print(f"{args.out}: {len(rows)} document-task prompts from the first {use} sequences of {args.data}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------- batched generation
 
 def pick(logits, temperature, top_k: int = 0, top_p: float = 1.0):
@@ -530,8 +587,31 @@ def draft_vocab(seqs, plens, ids, V: int, size: int):
     return d2t, t2d
 
 
+def init_from(head, folder, base, kind: str, d2t):
+    """Start from a saved head's weights (fine-tuning on more data, say) with a fresh optimizer and
+    schedule. Its draft vocab is this data's: a head with its own lm_head must have been saved with the same one."""
+    from heads import HeadError, load_heads
+    try:
+        old = load_heads(folder, base, kind)
+    except HeadError as e:
+        raise ValueError(f"--init: {e}") from None
+    old_d2t = getattr(old, "d2t", None)
+    own_rows = any("lm_head" in k for k in old.state_dict()) or isinstance(old, Medusa) and old.lm_head
+    same_vocab = old_d2t is None and d2t is None or (
+        old_d2t is not None and d2t is not None and torch.equal(old_d2t.cpu(), d2t.cpu()))
+    if own_rows and not same_vocab:
+        raise ValueError(f"--init: {folder} has its own lm_head over another draft vocab than this data gives: "
+                         "train it from scratch, or use --shared_lm_head")
+    sd = {k: v.float() for k, v in old.state_dict().items()}
+    mine = head.state_dict()
+    if sd.keys() != mine.keys() or any(sd[k].shape != mine[k].shape for k in sd):
+        raise ValueError(f"--init: {folder} holds a {kind} head of another shape (heads, layers, lm_head) "
+                         "than these settings make: give the settings it was trained with")
+    head.load_state_dict(sd)
+
+
 # what a checkpoint's run must share with the run that resumes it
-RESUME_KEYS = ("head", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "draft_vocab", "targets",
+RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "draft_vocab", "targets",
                "data", "checkpoint", "batch_size", "max_len", "holdout", "seed", "epochs", "steps", "lr", "warmup")
 
 
@@ -568,6 +648,8 @@ def train(args):
         d2t, t2d = draft_vocab(seqs, plens, train_ids, base.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t.to(device), t2d.to(device)
     head = make_head(args, base, d2t).to(device)
+    if args.init and not args.resume:
+        init_from(head, args.init, base, args.head, d2t)
     W = base.output.weight if d2t is None else base.output.weight[d2t]          # [V', dim], frozen
     lr = args.lr or {"medusa": 1e-3, "hydra": 1e-3, "eagle": 3e-4}[args.head]
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
@@ -731,9 +813,22 @@ def main(argv=None):
                    help="the saved heads' weights (training keeps fp32)")
     t.add_argument("--save_every", type=int, default=500, help="checkpoint every N steps (and at the end)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--init", default=None, help="start from this saved heads folder's weights (a new optimizer "
+                                                "and schedule): fine-tune a head on more data")
     t.add_argument("--features", default=None, help="cache of the base's hidden states over the data (.npy, made "
                    "on first use, ~1 KB a token): later runs of any head skip the base forward")
     t.add_argument("--stop_after", type=int, default=0, help="stop (checkpointed) after step N; --resume later")
+
+    k = sub.add_parser("tasks", help="document-task prompts (summarize, answer from a passage, extract, "
+                                     "translate) over the answers of a data file, for `data --prompts`")
+    k.add_argument("--data", default="data/selfdistill.npz", help="data file whose answers are the documents")
+    k.add_argument("--out", required=True, help="the prompts JSONL to write")
+    k.add_argument("--n", type=int, default=1000, help="how many prompts")
+    k.add_argument("--min_doc", type=int, default=64, help="shortest document, tokens")
+    k.add_argument("--max_doc", type=int, default=448, help="longest document, tokens")
+    k.add_argument("--skip_last", type=float, default=0.1, help="fraction of the last sequences not used")
+    k.add_argument("--checkpoint", default=None, help="base model, for its tokenizer and chat template")
+    k.add_argument("--seed", type=int, default=0)
 
     m = sub.add_parser("merge", help="join data files of parallel `data` runs (each with its own --seed) into one")
     m.add_argument("out")
@@ -741,7 +836,7 @@ def main(argv=None):
 
     args = p.parse_args(argv)
     try:
-        return {"data": make_data, "train": train, "merge": merge_data}[args.command](args)
+        return {"data": make_data, "tasks": make_tasks, "train": train, "merge": merge_data}[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -5,6 +5,8 @@ import torch
 
 import generate as G
 from heads import NGram, WithLookup, load_heads
+from model import Transformer
+from test_speculative import TINY
 
 
 def proposal(ngram, context, depth=4):
@@ -32,9 +34,9 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert proposal(ng, [1, 2, 3, 4]) == [-1, -1, -1, -1]
 
 
-def speculative_tau(model, tok, head, tree, text, n=64):
+def speculative_tau(model, tok, head, tree, text, n=64, dynamic=None):
     """Greedy speculative decoding of a chat prompt; asserts it equals autoregressive decoding; -> tau."""
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic)
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}])))
     S = len(prompt) + n + nodes
     with torch.inference_mode():
@@ -80,5 +82,27 @@ def test_head_with_lookup_equals_autoregressive(default_model, kind):
     model, tok = default_model
     head = WithLookup(make_head(kind, model.args, seed=1), NGram(model.args.vocab_size, 3)).to(model.output.weight.dtype)
     assert speculative_tau(model, tok, head, "tree10", DAYS) > 2.0
-    with pytest.raises(ValueError, match="static tree"):
-        G.speculator(model, head, dynamic=(4, 4, 16))
+    if kind == "eagle":  # an EAGLE-2 dynamic tree of 16 nodes plus the 4-node chain
+        assert speculative_tau(model, tok, head, None, DAYS, dynamic=(4, 4, 16)) > 2.0
+
+
+def test_lookup_chain_joins_a_dynamic_tree():
+    """The chain hangs from the root after the dynamic tree's nodes, carrying the lookup's proposal."""
+    from heads import draft_dynamic
+    from test_speculative import make_head
+    ctx = torch.tensor([1, 7, 8, 9, 20, 21, 22, 23, 5, 7, 8, 9])  # after "7 8 9": 20 21 22 23
+    L, S = len(ctx), 64
+    base = Transformer(TINY).eval()
+    base.setup_caches(1, S)
+    head = WithLookup(make_head("eagle", TINY, seed=1), NGram(TINY.vocab_size, 3)).eval()
+    head.setup_caches(S + 64)
+    torch.manual_seed(0)
+    h = torch.randn(L - 1, TINY.dim)  # the prompt is ctx[:-1]; the root ctx[-1] sits at P = L - 1
+    with torch.no_grad():
+        head.prefill(base, h, ctx[1:])
+        tokens, tree = draft_dynamic(head, base, h[-1:], ctx[-1:], torch.tensor(1), torch.tensor(L - 1),
+                                     top_k=3, depth=4, total_tokens=10)
+    assert tokens.shape == (14,) and tree.num_nodes == 14 and int(tokens[0]) == 9
+    assert tree.parents[10:].tolist() == [0, 10, 11, 12] and tree.positions[10:].tolist() == [1, 2, 3, 4]
+    assert tokens[10:].tolist() == [20, 21, 22, 23]
+    assert tree.retrieve_indices[13].tolist() == [0, 10, 11, 12, 13]

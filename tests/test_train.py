@@ -273,3 +273,53 @@ def test_merge(tiny, dataset, tmp_path):
     both, both_plens, both_sources, both_meta = train.read_data(out)
     assert len(both) == 2 * len(seqs) and all(np.array_equal(a, b) for a, b in zip(seqs + seqs, both))
     assert both_plens.tolist() == 2 * plens.tolist() and both_meta["base_model"] == meta["base_model"]
+
+
+def test_init_continues_from_saved_heads(tiny, dataset, tmp_path, capsys):
+    """--init: a fresh run starts from saved heads (in bf16), so its first losses are those where the
+    first run ended, not a random head's; a head of another shape is refused in one line."""
+    first = train.main(train_args(tiny, dataset, tmp_path / "a", "eagle", "--steps", "30"))
+    scratch = train.main(train_args(tiny, dataset, tmp_path / "b", "eagle", "--steps", "3", "--seed", "1"))
+    more = train.main(train_args(tiny, dataset, tmp_path / "c", "eagle", "--steps", "3", "--seed", "1",
+                                 "--init", str(tmp_path / "a")))
+    assert np.mean(more["losses"]) < 0.9 * np.mean(scratch["losses"]), (more["losses"], scratch["losses"])
+    assert more["losses"][0] < 1.2 * np.mean(first["losses"][-5:])
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--shared_lm_head",
+                              "--init", str(tmp_path / "m")))
+    assert "--init" in capsys.readouterr().err
+    train.main(train_args(tiny, dataset, tmp_path / "m", "medusa", "--steps", "1", "--num_heads", "2"))
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--init", str(tmp_path / "m")))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: --init") and "another shape" in last
+
+
+def test_document_tasks(tiny, dataset, tmp_path):
+    """`train.py tasks`: prompts that quote the data's answers, never those of its last sequences
+    (the held-out ones once merged behind), and that `train.py data` answers."""
+    out = tmp_path / "tasks.jsonl"
+    train.main(["tasks", "--data", str(dataset), "--checkpoint", str(tiny), "--out", str(out), "--n", "40",
+                "--min_doc", "8", "--max_doc", "30", "--skip_last", "0.3"])
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == 40 and prompts == sorted(prompts, key=len)
+    _, tok = load_model(str(tiny))
+    seqs, plens, _, _ = train.read_data(dataset)
+    answers = [tok.decode([int(t) for t in s[p:] if t != tok.eos_id]) for s, p in zip(seqs, plens)]
+    use = len(seqs) - int(np.ceil(0.3 * len(seqs)))
+    norm = lambda t: " ".join(t.split())
+    kinds = set()
+    for text in prompts:
+        # its template: the one whose fixed text around the first field fits best
+        fits = [t for _, t in train.TASKS if text.startswith(t.split("{")[0]) and text.endswith(t.split("}")[-1])]
+        template = max(fits, key=lambda t: len(t.split("{")[0]) + len(t.split("}")[-1]))
+        kinds.add(template)
+        quoted = norm(text[len(template.split("{")[0]):])[:8]
+        # the document starts like an answer before the skipped tail
+        assert any(norm(a).startswith(quoted) for a in answers[:use]), text
+    assert len(kinds) >= 5
+    data = tmp_path / "tasks.npz"
+    train.main(["data", "--checkpoint", str(tiny), "--prompts", str(out), "--out", str(data), *DATA[:4],
+                "--max_prompt_tokens", "200"])
+    got, got_plens, sources, _ = train.read_data(data)
+    assert len(got) >= 30 and all(p < len(s) for s, p in zip(got, got_plens))
