@@ -648,6 +648,8 @@ def train(args):
         d2t, t2d = draft_vocab(seqs, plens, train_ids, base.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t.to(device), t2d.to(device)
     head = make_head(args, base, d2t).to(device)
+    init_record = bool(args.init) and (Path(args.init) / "train_record.json").exists()  # read before OUT is rewritten
+    init_record = json.loads((Path(args.init) / "train_record.json").read_text()) if init_record else None
     if args.init and not args.resume:
         init_from(head, args.init, base, args.head, d2t)
     W = base.output.weight if d2t is None else base.output.weight[d2t]          # [V', dim], frozen
@@ -747,6 +749,8 @@ def train(args):
                        for i in range(n_curve)],
         "heldout": {"positions": counts, "top1": top1, "top5": top5},
         "draft_vocab": args.draft_vocab or None,
+        # --init: how the heads it started from were trained (their own record)
+        "init": init_record,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }
     (out / "train_record.json").write_text(json.dumps(record, indent=1))

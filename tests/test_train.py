@@ -284,6 +284,8 @@ def test_init_continues_from_saved_heads(tiny, dataset, tmp_path, capsys):
                                  "--init", str(tmp_path / "a")))
     assert np.mean(more["losses"]) < 0.9 * np.mean(scratch["losses"]), (more["losses"], scratch["losses"])
     assert more["losses"][0] < 1.2 * np.mean(first["losses"][-5:])
+    record = json.loads((tmp_path / "c" / "train_record.json").read_text())
+    assert record["init"]["steps"] == 30 and record["args"]["init"] == str(tmp_path / "a")
     with pytest.raises(SystemExit):
         train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--shared_lm_head",
                               "--init", str(tmp_path / "m")))
