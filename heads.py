@@ -265,10 +265,10 @@ class NGram(nn.Module):
 
 
 class WithLookup(nn.Module):
-    """A head plus prompt lookup: its static tree gets one more branch from the root, a chain as deep
-    as the tree whose tokens are the NGram drafter's proposal. The head never expands that branch, so
-    it costs only its verification (depth more tree nodes); where the context repeats itself (the
-    default model's answers often do), the chain wins."""
+    """A head plus prompt lookup: its tree (static or dynamic) gets one more branch from the root, a
+    chain as deep as the tree whose tokens are the NGram drafter's proposal. The head never expands
+    that branch, so it costs only its verification (depth more tree nodes); where the context repeats
+    itself (the default model's answers often do), the chain wins."""
 
     def __init__(self, head, ngram: NGram):
         super().__init__()

@@ -4,6 +4,8 @@
     python train.py data --prompts prompts.jsonl --out data/mine.npz        # or answers yours (turns[0] / prompt)
     python train.py train --head medusa --data data/selfdistill.npz --out heads/medusa-smollm2
     python train.py train --head eagle --data data/selfdistill.npz --out heads/eagle-smollm2 --resume
+    python train.py tasks --data data/invented.npz --out tasks.jsonl      # prompts quoting its answers: summarize...
+    python train.py train --head eagle --init heads/eagle-smollm2 ...       # fine-tune saved heads on more data
 
 Self-distillation: a head is right when it guesses what the base model will say, so it learns from the
 base model's own greedy answers (what greedy speculative decoding must reproduce), not from human text.
@@ -648,8 +650,8 @@ def train(args):
         d2t, t2d = draft_vocab(seqs, plens, train_ids, base.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t.to(device), t2d.to(device)
     head = make_head(args, base, d2t).to(device)
-    init_record = bool(args.init) and (Path(args.init) / "train_record.json").exists()  # read before OUT is rewritten
-    init_record = json.loads((Path(args.init) / "train_record.json").read_text()) if init_record else None
+    init_file = Path(args.init or ".") / "train_record.json"
+    init_record = json.loads(init_file.read_text()) if args.init and init_file.exists() else None  # OUT may be INIT
     if args.init and not args.resume:
         init_from(head, args.init, base, args.head, d2t)
     W = base.output.weight if d2t is None else base.output.weight[d2t]          # [V', dim], frozen
