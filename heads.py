@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
-from trees import Tree, dynamic_select, tree_buffers, tree_from_parents
+from trees import Tree, dynamic_select, tree_buffers
 
 
 class HeadError(ValueError):
@@ -346,13 +346,18 @@ def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):
     return (P + depth - 1).expand(nodes.shape[0]), S0 + nodes, mask
 
 
+def lookup_chain(head, base, h, next_tokens, n, P, depth: int):
+    # WithLookup's proposal, [depth]; where there is none, token 0: harmless, verification checks every token
+    return head.ngram.begin(base, h, next_tokens, n, P)[1][0, :depth].clamp(min=0)
+
+
 def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
     """Tokens for every node of a fixed tree. Returns (draft_tokens [N], tree)."""
     tree, D = plan.tree, plan.tree.depth
     root = last_row(next_tokens, n)                               # [1]
     if plan.lookup:
-        chain = head.ngram.begin(base, h, next_tokens, n, P)[1][0, :D].clamp(min=0)  # [D]; no proposal: token 0,
-        head = head.head                                          # harmless: verification checks every token
+        chain = lookup_chain(head, base, h, next_tokens, n, P, D)  # [D]
+        head = head.head
     logits, state = head.begin(base, h, next_tokens, n, P)       # [1, V], [1, *]
     out = [root]
     for d in range(1, D + 1):
@@ -374,7 +379,7 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
     A WithLookup head adds its prompt-lookup chain, `depth` nodes deep, after the selected nodes."""
     chain = None
     if isinstance(head, WithLookup):
-        chain = head.ngram.begin(base, h, next_tokens, n, P)[1][0, :depth].clamp(min=0)  # [depth], as draft_static
+        chain = lookup_chain(head, base, h, next_tokens, n, P, depth)  # [depth]
         head = head.head
     root = last_row(next_tokens, n)
     logits, state = head.begin(base, h, next_tokens, n, P)
@@ -402,14 +407,8 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         tokens, ids = ct.flatten()[best], start + 1 + best
         anc = anc[row] | F.one_hot(ids, M + 1).bool()
         state = st[row]
-    draft_tokens, tree = dynamic_select(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens),
-                                        total_tokens, depth, root[0])
-    if chain is None:
-        return draft_tokens, tree
-    # the chain hangs from the root: node total_tokens is its first, each later one the child of the one before
-    T = total_tokens
-    parents = torch.cat([tree.parents, tree.parents.new_zeros(1), torch.arange(T, T + depth - 1, device=dev)])
-    return torch.cat([draft_tokens, chain.to(draft_tokens.dtype)]), tree_from_parents(parents, depth)
+    return dynamic_select(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens),
+                          total_tokens, depth, root[0], chain)
 
 
 # ---------------------------------------------------------------- official checkpoint layouts

@@ -145,12 +145,13 @@ def tree_from_parents(parents: Tensor, depth: int) -> Tree:
 
 
 def dynamic_select(scores: Tensor, parents: Tensor, tokens: Tensor, total_tokens: int,
-                   depth: int, root_token: Tensor) -> tuple:
+                   depth: int, root_token: Tensor, chain: Optional[Tensor] = None) -> tuple:
     """EAGLE-2 reranking: keep the best total_tokens - 1 of a pool of M expanded draft
     nodes and make a tree of them under the root.
     scores [M]: cumulative draft log-prob; parents [M]: pool index, -1 = child of the root,
     parents precede children in the pool; tokens [M]; root_token: scalar.
-    Returns draft_tokens [total_tokens] (root first) and Tree (rows per node).
+    chain [c <= depth]: tokens of one more branch from the root, placed after the kept nodes
+    (a prompt-lookup proposal). Returns draft_tokens [total_tokens + c] (root first) and Tree.
 
     Cumulative log-probs never increase along a path, and a stable descending sort puts
     a parent before an equal-scored child (it has the smaller pool index), so the kept
@@ -174,6 +175,11 @@ def dynamic_select(scores: Tensor, parents: Tensor, tokens: Tensor, total_tokens
     tree_parents = torch.cat([tree_parents.new_full((1,), -1), tree_parents])
     root = torch.as_tensor(root_token, device=tokens.device).to(tokens.dtype).reshape(1)
     draft_tokens = torch.cat([root, tokens[keep]])
+    if chain is not None:  # node total_tokens hangs from the root, each later one from the one before
+        c = chain.shape[0]
+        tree_parents = torch.cat([tree_parents, tree_parents.new_zeros(1),
+                                  torch.arange(total_tokens, total_tokens + c - 1, device=scores.device)])
+        draft_tokens = torch.cat([draft_tokens, chain.to(draft_tokens.dtype)])
     return draft_tokens, tree_from_parents(tree_parents, depth)
 
 
