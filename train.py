@@ -371,12 +371,30 @@ class NoCache(nn.Module):
         return k, v
 
 
-def run_layer(layer, x, freqs_cis):
+class StepCache(nn.Module):
+    """EAGLE's training-time test: step j's rows attend over the keys and values of steps 0 .. j,
+    kept here as a KV cache keeps them at decode time."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v = [], []
+
+    def update(self, cache_pos, k, v):
+        self.k.append(k)
+        self.v.append(v)
+        return torch.cat(self.k, 2), torch.cat(self.v, 2)
+
+
+def run_layer(layer, x, freqs_cis, step: int = 0):
     """x: [B, T, dim] -> [B, T, dim]: a CachedLayer's Block (the very weights heads.py runs at decode
-    time) over whole sequences, causal, with no cache."""
+    time) over whole sequences, with no cache (step 0: causal) or with a StepCache holding the earlier
+    steps (step j: row t sits at position t + j and sees the step-0 rows 0 .. t and its own rows of
+    steps 1 .. j, as the draft of depth j+1 from root t does)."""
     T = x.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    return layer.block(x, freqs_cis[:T], causal[None, None], torch.arange(T, device=x.device))
+    eye = torch.eye(T, dtype=torch.bool, device=x.device)
+    mask = torch.cat([causal] + [eye] * step, 1)                               # [T, (step+1) T]
+    return layer.block(x, freqs_cis[step:step + T], mask[None, None], torch.arange(T, device=x.device))
 
 
 def make_head(args, base, d2t):
@@ -416,20 +434,31 @@ def make_head(args, base, d2t):
     return head if d2t is None else set_draft_vocab(head, base, d2t)
 
 
-def num_heads(head) -> int:
-    return 1 if isinstance(head, Eagle) else head.num_heads
+def num_heads(head, args) -> int:
+    """Heads to score: EAGLE's draft steps (--unroll), else Medusa's / Hydra's heads."""
+    return max(1, args.unroll) if isinstance(head, Eagle) else head.num_heads
 
 
 def head_trunk(head, base, args, h, tokens, train: bool):
     """What the heads read at position t: [B, T or T-1, dim]. Medusa and Hydra: the base hidden state
     h_t (Hydra++: after its causal prefix layer and norm). EAGLE: its prediction of h_{t+1}, from row t =
-    (h_t + noise, token t+1) and the rows before it."""
+    (h_t + noise, token t+1) and the rows before it; with --unroll U, [U, B, T-1, dim]: step j's
+    prediction of h_{t+j+1} from its own step j-1 prediction and token t+j+1 (the draft from root t
+    at depth j+1; EAGLE-3's training-time test, HASS's context alignment)."""
     if args.head == "eagle":
         f = h[:, :-1].float()                                                   # [B, T-1, dim]
         if train and args.noise:
             # EAGLE's noise exactly: U(-noise/2, noise/2) * 512 / T on the input features only
             f = f + (torch.rand_like(f) - 0.5) * (args.noise * 512 / h.shape[1])
-        return run_layer(head.layer, head.rows(base, f, tokens[:, 1:]), base.freqs_cis)
+        attn, keep = head.layer.block.attention, head.layer.block.attention.kv_cache
+        attn.kv_cache = StepCache()
+        outs = []
+        for j in range(max(1, args.unroll)):
+            nxt = F.pad(tokens[:, j + 1:], (0, j))                          # token t+j+1, 0 past the end
+            outs.append(run_layer(head.layer, head.rows(base, f, nxt), base.freqs_cis, step=j))
+            f = outs[-1]
+        attn.kv_cache = keep
+        return outs[0] if args.unroll <= 1 else torch.stack(outs)
     if args.head == "hydra" and head.prefix is not None:
         return head.prefix_norm(run_layer(head.prefix, h.float(), base.freqs_cis))
     return h
@@ -441,6 +470,8 @@ def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
     Returns (logits [N, V'], targets [N] full-vocab ids, sel bool [B, T-k-2], extra loss or None)."""
     n = tokens.shape[1] - k - 2
     sel = answer[:, k + 2:]                                                     # [B, n]
+    if args.head == "eagle" and args.unroll > 1:
+        feats = feats[k]                             # draft step k: predicts h_{t+k+1}, then token t+k+2
     x = feats[:, :n][sel]                                                       # [N, dim]
     extra = None
     if args.head == "medusa":
@@ -453,7 +484,7 @@ def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
         logits = head.hydra_lm_head[k](y) if head.hydra_lm_head is not None else F.linear(y, W)
     else:
         logits = F.linear(x, W)        # the base's lm_head on the predicted feature t+1 -> token t+2
-        extra = F.smooth_l1_loss(x.float(), h[:, 1:n + 1][sel].float())      # regression to the true h_{t+1}
+        extra = F.smooth_l1_loss(x.float(), h[:, k + 1:n + k + 1][sel].float())  # to the true h_{t+k+1}
     return logits, tokens[:, k + 2:][sel], sel, extra
 
 
@@ -474,7 +505,7 @@ def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
         trunk = head_trunk(head, base, args, h, tokens, train)
     # a shared trunk (EAGLE's layer, Hydra++'s prefix) is cut off here and backpropagated once at the end
     leaf = trunk.detach().requires_grad_() if train and trunk.requires_grad else trunk
-    K = num_heads(head)
+    K = num_heads(head, args)
     total, hits1, hits5, counts = 0.0, [0] * K, [0] * K, [0] * K
     for k in range(K):
         with amp, torch.set_grad_enabled(train):
@@ -495,7 +526,7 @@ def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
                 loss = F.nll_loss(logp[ok], tgt[ok]) if bool(ok.any()) else logp.sum() * 0
             if extra is not None:  # EAGLE: regression 1.0, classification 0.1 as in the paper
                 loss = args.v_weight * extra + args.p_weight * loss
-            w = args.head_decay ** k  # Medusa's lambda_k = 0.8^k: far heads are less certain, weigh less
+            w = args.head_decay ** k  # Medusa's lambda_k = 0.8^k (EAGLE-3's for its steps): far heads are less certain
         if train:
             (w * loss).backward()
         total += w * loss.item()
@@ -606,6 +637,10 @@ def init_from(head, folder, base, kind: str, d2t):
                          "train it from scratch, or use --shared_lm_head")
     sd = {k: v.float() for k, v in old.state_dict().items()}
     mine = head.state_dict()
+    if isinstance(head, Hydra) and head.prefix is not None and old.prefix is None:
+        # Hydra grows into Hydra++: the new prefix layer keeps its identity start (zero output
+        # projections), so training begins from the saved heads reading the (renormed) hidden states
+        sd.update({k: v for k, v in mine.items() if k.startswith("prefix")})
     if sd.keys() != mine.keys() or any(sd[k].shape != mine[k].shape for k in sd):
         raise ValueError(f"--init: {folder} holds a {kind} head of another shape (heads, layers, lm_head) "
                          "than these settings make: give the settings it was trained with")
@@ -613,12 +648,14 @@ def init_from(head, folder, base, kind: str, d2t):
 
 
 # what a checkpoint's run must share with the run that resumes it
-RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "draft_vocab", "targets",
+RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "unroll", "draft_vocab", "targets",
                "data", "checkpoint", "batch_size", "max_len", "holdout", "seed", "epochs", "steps", "lr", "warmup")
 
 
 def train(args):
     device = check_device(args.device)
+    if args.unroll < 1 or args.unroll > 1 and args.head != "eagle":
+        raise ValueError(f"--unroll {args.unroll}: give EAGLE 1 or more draft steps to train (other heads: leave it out)")
     torch.manual_seed(args.seed)
     # --bf16: the frozen base runs in bf16 (as decoding with --dtype bfloat16 does; its static cache
     # takes one dtype, so no autocast there) and the heads under autocast with fp32 weights
@@ -688,9 +725,10 @@ def train(args):
         torch.save(state, ckpt_path.with_name("ckpt.pt.tmp"))
         os.replace(ckpt_path.with_name("ckpt.pt.tmp"), ckpt_path)
 
-    base.setup_caches(B, max(lengths))  # the frozen forward writes a cache; one, sized for the longest
+    # the frozen forward writes a cache; one, sized for the longest (and the positions of --unroll's steps)
+    base.setup_caches(B, max(lengths) + max(0, args.unroll))
     stop_at = min(total, args.stop_after) if args.stop_after else total
-    K = num_heads(head)
+    K = num_heads(head, args)
     recent = []  # (hits1, counts) of the last steps, for the progress bar
     bar = tqdm(total=total, initial=step, desc=f"train {args.head}", dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -801,6 +839,8 @@ def main(argv=None):
     t.add_argument("--noise", type=float, default=0.2, help="EAGLE: uniform input noise U(-n/2, n/2) * 512 / T")
     t.add_argument("--v_weight", type=float, default=1.0, help="EAGLE: feature regression (smooth L1) weight")
     t.add_argument("--p_weight", type=float, default=0.1, help="EAGLE: token loss weight")
+    t.add_argument("--unroll", type=int, default=1, help="EAGLE: train U draft steps, each from the previous "
+                   "step's own predicted features (training-time test); held-out accuracy per step")
     t.add_argument("--draft_vocab", type=int, default=0, help="predict over the V' most frequent tokens (0: all)")
     t.add_argument("--batch_size", type=int, default=8, help="sequences a step")
     t.add_argument("--max_len", type=int, default=1024, help="longer sequences are cut")

@@ -171,8 +171,10 @@ def speculative_equals_autoregressive(model, head, prompt, new, drafted=None, **
 
 
 @pytest.mark.parametrize("kind,extra", [("medusa", []), ("medusa", ["--shared_lm_head"]), ("hydra", []),
-                                        ("hydra", ["--hydra_prefix"]), ("eagle", []), ("eagle", ["--bf16"])],
-                         ids=["medusa", "medusa-shared-lm-head", "hydra", "hydra++", "eagle", "eagle-bf16"])
+                                        ("hydra", ["--hydra_prefix"]), ("eagle", []), ("eagle", ["--bf16"]),
+                                        ("eagle", ["--unroll", "3"])],
+                         ids=["medusa", "medusa-shared-lm-head", "hydra", "hydra++", "eagle", "eagle-bf16",
+                              "eagle-unroll"])
 def test_train_head(tiny, dataset, tmp_path, kind, extra):
     out = tmp_path / kind
     record = train.main(train_args(tiny, dataset, out, kind, "--steps", "30", *extra))
@@ -180,7 +182,7 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5]), losses
     saved = json.loads((out / "train_record.json").read_text())
     assert saved["steps"] == 30 and saved["heldout_sequences"] >= 1 and saved["base_model"] == str(tiny)
-    K = 1 if kind == "eagle" else 4
+    K = 4 if kind != "eagle" else 3 if "--unroll" in extra else 1
     assert len(saved["heldout"]["top1"]) == K and all(0 <= a <= b <= 1 for a, b in
                                                       zip(saved["heldout"]["top1"], saved["heldout"]["top5"]))
 
@@ -198,6 +200,37 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     if kind == "eagle":
         speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, dynamic=(3, 3, 8))
     assert max(taus) > 1.5, taus  # trained heads do get drafts accepted on the model's own text
+
+
+def test_unrolled_steps_are_the_draft(tiny):
+    """--unroll's step j at row t is what decoding drafts at depth j+1 from root t: the same rows,
+    positions and attention, run here through the head's own KV cache as heads.py runs it."""
+    model, _ = load_model(str(tiny))
+    torch.manual_seed(1)
+    head = heads.Eagle(model.args)
+    head.layer.block.attention.kv_cache = train.NoCache()
+    T, U = 24, 3
+    tokens = torch.randint(0, model.args.vocab_size, (1, T))
+    model.setup_caches(1, T + U)
+    args = type("A", (), {"head": "eagle", "unroll": U, "noise": 0.0})()
+    with torch.no_grad():
+        h = model(tokens, torch.arange(T), return_hidden=True)[2]                # [1, T, dim]
+        steps = train.head_trunk(head, model, args, h, tokens, train=False)       # [U, 1, T-1, dim]
+        assert steps.shape == (U, 1, T - 1, model.args.dim)
+        head.setup_caches(T + U)
+        for t in (0, 5, T - U - 1):
+            out = head.layer.catch_up(head.rows(model, h[0, :t + 1], tokens[0, 1:t + 2]), torch.tensor(0))
+            x = out[t:t + 1]
+            torch.testing.assert_close(x[0], steps[0, 0, t], atol=1e-4, rtol=1e-4)
+            for j in range(1, U):
+                pos = torch.tensor([t + j])
+                mask = (torch.arange(head.cache_len) <= t + j)[None]             # prefix 0..t, then the chain
+                x = head.layer(head.rows(model, x, tokens[0, t + j + 1:t + j + 2]), pos, pos, mask)
+                torch.testing.assert_close(x[0], steps[j, 0, t], atol=1e-4, rtol=1e-4)
+    # and unrolling leaves step 0 as it was
+    args.unroll = 1
+    with torch.no_grad():
+        torch.testing.assert_close(train.head_trunk(head, model, args, h, tokens, train=False)[0], steps[0, 0])
 
 
 def test_resume_continues_exactly(tiny, dataset, tmp_path, capsys):
@@ -295,6 +328,9 @@ def test_init_continues_from_saved_heads(tiny, dataset, tmp_path, capsys):
         train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--init", str(tmp_path / "m")))
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --init") and "another shape" in last
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--unroll", "3"))
+    assert capsys.readouterr().err.strip().startswith("error: --unroll 3")
 
 
 def test_document_tasks(tiny, dataset, tmp_path):
@@ -325,3 +361,17 @@ def test_document_tasks(tiny, dataset, tmp_path):
                 "--max_prompt_tokens", "200"])
     got, got_plens, sources, _ = train.read_data(data)
     assert len(got) >= 30 and all(p < len(s) for s, p in zip(got, got_plens))
+
+
+def test_hydra_grows_into_hydra_plus_plus(tiny, dataset, tmp_path):
+    """--hydra_prefix --init a Hydra head: its weights carry over, and the new prefix layer starts
+    as the identity (zero output projections), to be trained from there."""
+    train.main(train_args(tiny, dataset, tmp_path / "h", "hydra", "--steps", "5"))
+    train.main(train_args(tiny, dataset, tmp_path / "hpp", "hydra", "--hydra_prefix", "--epochs", "0",
+                          "--init", str(tmp_path / "h")))
+    model, _ = load_model(str(tiny))
+    old = heads.load_heads(tmp_path / "h", model).state_dict()
+    new = heads.load_heads(tmp_path / "hpp", model).state_dict()
+    assert set(new) - set(old) and all(k.startswith("prefix") for k in set(new) - set(old))
+    assert all(torch.equal(old[k], new[k]) for k in old)
+    assert not new["prefix.block.attention.wo.weight"].any() and not new["prefix.block.feed_forward.w2.weight"].any()
