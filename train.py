@@ -429,8 +429,7 @@ def make_head(args, base, d2t):
                 head.prefix.block.feed_forward.w2.weight.zero_()
                 head.prefix.block.attention.kv_cache = NoCache()
     else:
-        head = Eagle(a, bias=True)  # fc and the decoder layer from scratch, as EAGLE trains them
-        head.layer.block.attention.kv_cache = NoCache()
+        head = Eagle(a, bias=True)  # fc and the decoder layer from scratch, as EAGLE trains them (head_trunk gives it a StepCache)
     return head if d2t is None else set_draft_vocab(head, base, d2t)
 
 

@@ -208,7 +208,6 @@ def test_unrolled_steps_are_the_draft(tiny):
     model, _ = load_model(str(tiny))
     torch.manual_seed(1)
     head = heads.Eagle(model.args)
-    head.layer.block.attention.kv_cache = train.NoCache()
     T, U = 24, 3
     tokens = torch.randint(0, model.args.vocab_size, (1, T))
     model.setup_caches(1, T + U)
