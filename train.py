@@ -162,41 +162,107 @@ TASKS = [
 ]
 
 
+# Text in another language, from --docs: translate it to English, as Spec-Bench's WMT task does.
+TRANSLATE = [
+    (3, "Translate {language} to English: {sentences}"),
+    (1, "Translate to English: {sentences}"),
+]
+
+
+def cut_at_sentence(text: str) -> str:
+    cut = max(text.rfind(". "), text.rfind(".\n"), text.rfind("\n"))
+    return text[:cut + 1].strip() if cut > len(text) // 2 else text
+
+
+def read_docs(path) -> list:
+    """A JSONL file of documents: {"text": "...", "language": "German"} a line (language: English if absent)."""
+    check_not_benchmark(path)
+    docs = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the documents file {path}: {e.strerror}") from None
+    for i, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line) if line.strip() else None
+        except ValueError:
+            raise ValueError(f"{path}:{i}: not a line of JSON") from None
+        if obj is None:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f'{path}:{i}: want {{"text": "...", "language": "..."}} a line')
+        docs.append((obj["text"], str(obj.get("language") or "English")))
+    if not docs:
+        raise ValueError(f"{path} holds no documents")
+    return docs
+
+
 def make_tasks(args):
-    """A prompts JSONL (for `train.py data --prompts`) of document tasks over the answers in a data file.
-    Documents come from all but its last --skip_last sequences, so that when the answers to these prompts
-    are merged in front of that file, the held-out sequences (the last ones) stay unseen as documents too."""
-    seqs, plens, _, meta = read_data(args.data)
+    """A prompts JSONL (for `train.py data --prompts`) of document tasks. The documents are the answers
+    in a data file, from all but its last --skip_last sequences, so that when the answers to these prompts
+    are merged in front of that file, the held-out sequences (the last ones) stay unseen as documents too;
+    or, with --docs, text that the model did not write (English: the TASKS that need no question;
+    another language: translate it to English)."""
     _, tokenizer = load_model(args.checkpoint, "cpu")
-    head, tail = tokenizer.chat([{"role": "user", "content": "\x00"}]).split("\x00", 1)
-    use = len(seqs) - math.ceil(len(seqs) * args.skip_last)
-    if use <= 0:
-        raise ValueError(f"{args.data} holds no sequences to take documents from")
     g = np.random.default_rng(args.seed)
-    weights = np.array([w for w, _ in TASKS], float)
-    rows = []
-    while len(rows) < args.n:
+    if args.docs:
+        docs = read_docs(args.docs)
+        source = f"the {len(docs)} documents of {args.docs}"
+    else:
+        seqs, plens, _, meta = read_data(args.data)
+        head, tail = tokenizer.chat([{"role": "user", "content": "\x00"}]).split("\x00", 1)
+        use = len(seqs) - math.ceil(len(seqs) * args.skip_last)
+        if use <= 0:
+            raise ValueError(f"{args.data} holds no sequences to take documents from")
+        source = f"the first {use} sequences of {args.data}"
+
+    def document():
+        """-> (doc: min_doc..max_doc tokens cut at a sentence end, a run of 1-3 sentences, question, language)"""
+        n = int(g.integers(args.min_doc, args.max_doc + 1))
+        if args.docs:
+            text, language = docs[int(g.integers(len(docs)))]
+            paras = text.split("\n\n")
+            start = int(g.integers(len(paras)))
+            ids = tokenizer.encode("\n\n".join(paras[start:]), bos=False)
+            doc = tokenizer.decode(ids[:n]).strip()
+            doc = cut_at_sentence(doc) if n < len(ids) else doc
+            # translation: sentences from within one paragraph, as a WMT line is one sentence or two
+            sentences = paras[start].split(". ")
+            k = int(g.integers(len(sentences)))
+            sentences = ". ".join(sentences[k:k + int(g.integers(1, 3))]).strip()
+            return doc, sentences, "", language
         i = int(g.integers(use))
         answer = [int(t) for t in seqs[i][plens[i]:] if int(t) != meta.get("eos_id")]
         if len(answer) < args.min_doc:
-            continue
-        # a stretch from the answer's start, cut back to the end of a sentence or line
-        n = int(g.integers(args.min_doc, args.max_doc + 1))
+            return "", "", "", "English"
         doc = tokenizer.decode(answer[:n]).strip()
-        if n < len(answer):
-            cut = max(doc.rfind(". "), doc.rfind(".\n"), doc.rfind("\n"))
-            doc = doc[:cut + 1].strip() if cut > len(doc) // 2 else doc
+        doc = cut_at_sentence(doc) if n < len(answer) else doc
         question = tokenizer.decode([int(t) for t in seqs[i][:plens[i]]])
         question = question[len(head):len(question) - len(tail)] if question.startswith(head) and question.endswith(tail) else ""
         sentences = " ".join(doc.replace("\n", " ").split(". ")[:int(g.integers(1, 4))]).strip()
-        template = TASKS[g.choice(len(TASKS), p=weights / weights.sum())][1]
-        if ("{question}" in template and not question.strip()) or ("{sentences}" in template and len(sentences) < 40):
+        return doc, sentences, question.strip(), "English"
+
+    rows, seen, tries = [], set(), 0
+    while len(rows) < args.n:
+        tries += 1
+        if tries > 100 * args.n:
+            raise ValueError(f"{source} give too few documents of at least --min_doc {args.min_doc} tokens")
+        doc, sentences, question, language = document()
+        if not doc:
             continue
-        rows.append(template.format(doc=doc, question=question.strip(), sentences=sentences))
+        tasks = TRANSLATE if language != "English" else TASKS
+        weights = np.array([w for w, _ in tasks], float)
+        template = tasks[g.choice(len(tasks), p=weights / weights.sum())][1]
+        if ("{question}" in template and not question) or ("{sentences}" in template and len(sentences) < 40):
+            continue
+        row = template.format(doc=doc, question=question, sentences=sentences, language=language)
+        if row not in seen:  # man pages share boilerplate paragraphs
+            seen.add(row)
+            rows.append(row)
     rows.sort(key=len)  # batches of like lengths: little left padding in `train.py data`
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows), encoding="utf-8")
-    print(f"{args.out}: {len(rows)} document-task prompts from the first {use} sequences of {args.data}", file=sys.stderr)
+    print(f"{args.out}: {len(rows)} document-task prompts from {source}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- batched generation
@@ -867,6 +933,8 @@ def main(argv=None):
     k = sub.add_parser("tasks", help="document-task prompts (summarize, answer from a passage, extract, "
                                      "translate) over the answers of a data file, for `data --prompts`")
     k.add_argument("--data", default="data/selfdistill.npz", help="data file whose answers are the documents")
+    k.add_argument("--docs", default=None, help='instead: a JSONL of documents, {"text": ..., "language": ...} a line '
+                                               "(English: summarize, extract...; another language: translate it)")
     k.add_argument("--out", required=True, help="the prompts JSONL to write")
     k.add_argument("--n", type=int, default=1000, help="how many prompts")
     k.add_argument("--min_doc", type=int, default=64, help="shortest document, tokens")

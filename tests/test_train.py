@@ -362,6 +362,35 @@ def test_document_tasks(tiny, dataset, tmp_path):
     assert len(got) >= 30 and all(p < len(s) for s, p in zip(got, got_plens))
 
 
+def test_document_tasks_from_docs(tiny, tmp_path, capsys):
+    """`train.py tasks --docs`: text in another language becomes translate-to-English prompts of
+    sentences from it; English text gets the document tasks that need no question; no prompt twice."""
+    de = ("Der Befehl zeigt alle Pakete an, die installiert sind. Er liest dazu die Datenbank.\n\n"
+          "Wenn die Variable gesetzt ist, wird sie benutzt. Sonst gilt der Standardwert des Systems.")
+    en = ("The command lists every package that is installed. It reads the database to do so.\n\n"
+          "When the variable is set, it is used instead. Otherwise the system default applies.")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": de, "language": "German"}) + "\n" + json.dumps({"text": en}) + "\n")
+    out = tmp_path / "tasks.jsonl"
+    train.main(["tasks", "--docs", str(docs), "--checkpoint", str(tiny), "--out", str(out), "--n", "30",
+                "--min_doc", "8", "--max_doc", "40"])
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == len(set(prompts)) == 30
+    norm = lambda t: " ".join(t.split())
+    german = [p for p in prompts if p.startswith(("Translate German to English: ", "Translate to English: "))]
+    assert all(norm(p.split(": ", 1)[1]) in norm(de) for p in german)
+    english = [p for p in prompts if p not in german]
+    assert german and english
+    for text in english:  # a template that needs no question, quoting a stretch of the English text
+        template = max((t for _, t in train.TASKS if text.startswith(t.split("{")[0])), key=lambda t: len(t.split("{")[0]))
+        assert "{question}" not in template and template.endswith(("{doc}", "{sentences}"))
+        assert norm(text[len(template.split("{")[0]):]) in norm(en), text
+    docs.write_text('{"text": "fine"}\n["not a document"]\n')
+    with pytest.raises(SystemExit):
+        train.main(["tasks", "--docs", str(docs), "--checkpoint", str(tiny), "--out", str(out), "--n", "3"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(':2: want {"text": "...", "language": "..."} a line')
+
+
 def test_hydra_grows_into_hydra_plus_plus(tiny, dataset, tmp_path):
     """--hydra_prefix --init a Hydra head: its weights carry over, and the new prefix layer starts
     as the identity (zero output projections), to be trained from there."""
