@@ -246,7 +246,8 @@ def make_tasks(args):
     while len(rows) < args.n:
         tries += 1
         if tries > 100 * args.n:
-            raise ValueError(f"{source} give too few documents of at least --min_doc {args.min_doc} tokens")
+            raise ValueError(f"{source} give fewer than --n {args.n} distinct prompts with documents of at "
+                             f"least --min_doc {args.min_doc} tokens: ask for fewer, or give more text")
         doc, sentences, question, language = document()
         if not doc:
             continue
