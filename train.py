@@ -91,22 +91,26 @@ def check_not_benchmark(path):
                          "on their own training data. Give other prompts, or none to let the model invent them")
 
 
-def read_prompts(path) -> list:
-    """A JSONL file: {"turns": [first user turn, ...]} (Spec-Bench / MT-bench; turns[0] is used),
-    {"prompt": "..."} or a bare JSON string a line."""
+def read_jsonl(path, what: str):
+    """(line number, object) for each non-blank line of a JSONL file that is not the benchmark."""
     check_not_benchmark(path)
-    prompts = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
-        raise ValueError(f"cannot read the prompts file {path}: {e.strerror}") from None
+        raise ValueError(f"cannot read the {what} file {path}: {e.strerror}") from None
     for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise ValueError(f"{path}:{i}: not a line of JSON") from None
+        if line.strip():
+            try:
+                yield i, json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}:{i}: not a line of JSON") from None
+
+
+def read_prompts(path) -> list:
+    """A JSONL file: {"turns": [first user turn, ...]} (Spec-Bench / MT-bench; turns[0] is used),
+    {"prompt": "..."} or a bare JSON string a line."""
+    prompts = []
+    for i, obj in read_jsonl(path, "prompts"):
         if isinstance(obj, str):
             prompts.append(obj)
         elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
@@ -176,19 +180,8 @@ def cut_at_sentence(text: str) -> str:
 
 def read_docs(path) -> list:
     """A JSONL file of documents: {"text": "...", "language": "German"} a line (language: English if absent)."""
-    check_not_benchmark(path)
     docs = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read the documents file {path}: {e.strerror}") from None
-    for i, line in enumerate(lines, 1):
-        try:
-            obj = json.loads(line) if line.strip() else None
-        except ValueError:
-            raise ValueError(f"{path}:{i}: not a line of JSON") from None
-        if obj is None:
-            continue
+    for i, obj in read_jsonl(path, "documents"):
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise ValueError(f'{path}:{i}: want {{"text": "...", "language": "..."}} a line')
         docs.append((obj["text"], str(obj.get("language") or "English")))
