@@ -5,6 +5,12 @@ Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) a
 
     python bench.py --dtype bfloat16                          # base engine vs transformers
     python bench.py --dtype bfloat16 --heads DIR --tree tree16 --skip_hf
+    python bench.py --heads DIR --dynamic_tree 10,6,60 --spec_bench 5 --max_new_tokens 256 --compile   # tau
+    python bench.py --device cuda --heads DIR --tree mc_sim_7b_63 --spec_bench 5 --max_new_tokens 256 --speed
+
+--spec_bench N measures tau on the first N questions of each Spec-Bench category; with --speed it also
+decodes each question autoregressively (compiled; CUDA graphs on a GPU) and reports both speeds and
+whether the outputs are the same.
 """
 import argparse
 import statistics
@@ -18,6 +24,7 @@ import generate as G
 from checkpoint import default_checkpoint, load_model
 from heads import load_heads
 
+SPEC_BENCH = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"  # evaluation only
 PROMPT = "Write a short story about a robot who learns to paint. Make it about three paragraphs long."
 
 
@@ -40,10 +47,10 @@ def ours(model, head, step, prompt, depth, n):
     return (n - 1) / (t_n - t_1), tau
 
 
-def hf(dtype, prompt, n):
+def hf(dtype, device, prompt, n):
     from transformers import AutoModelForCausalLM
     path = default_checkpoint()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
     gen = lambda k: lambda: model.generate(prompt[None], max_new_tokens=k, min_new_tokens=k, do_sample=False,
                                            pad_token_id=2)
 
@@ -53,45 +60,57 @@ def hf(dtype, prompt, n):
     return measure
 
 
-def spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, per_category, n, max_prompt,
-                   compile=False, compile_mode=None):
-    """Mean tokens per step (tau) of greedy speculative decoding on the first questions of each
-    Spec-Bench category (../shared/data/spec_bench.jsonl: evaluation only). compile: compile the
-    step once (one cache of max_prompt + n slots for every prompt: what a question leaves in it past its
-    own length is masked), else eager. Returns {category: (tau, questions, tokens)}."""
+def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, max_prompt, speed=False):
+    """Greedy speculative decoding (step `spec`) on the first questions of each Spec-Bench category
+    (evaluation only). speed: also decode each question autoregressively (step `ar`), timing both
+    decode loops side by side (prefill excluded), and compare the two outputs token for token.
+    Returns {category: dict(q, tokens, steps, t_spec, t_ar, same)}."""
     import json
     from collections import defaultdict
-    path = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"
     by_cat = defaultdict(list)
-    for line in path.read_text().splitlines():
+    for line in Path(questions).read_text().splitlines():
         q = json.loads(line)
         ids = tok.encode(tok.chat([{"role": "user", "content": q["turns"][0]}]))
         if len(ids) <= max_prompt and len(by_cat[q["category"]]) < per_category:
             by_cat[q["category"]].append(ids)
-    step = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
-    if compile:
-        G.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
-        step = G.compile_step(step, "cpu", compile_mode)
+    dev = model.output.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+
+    def run(step, h, ids, d):
+        with torch.inference_mode():
+            first, state = G.start(model, h, torch.tensor(ids, device=dev), d, dict(temperature=0.0))
+            sync()
+            t0 = time.perf_counter()
+            out = G.decode(step, state, first, n, tok.eos_id)
+            sync()
+            return out, G.decode.steps, time.perf_counter() - t0
+
+    if speed:  # compile and record (CUDA graphs) outside the timed runs
+        ids = next(iter(by_cat.values()))[0]
+        run(spec, head, ids, depth), run(ar, None, ids, 0)
     out = {}
     for cat, prompts in by_cat.items():
-        tokens = steps = 0
+        r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0)
         for ids in prompts:
-            if not compile:
-                G.setup_caches(model, head, G.cache_size(len(ids), n, nodes, model.args.max_seq_len), scratch)
-            with torch.inference_mode():
-                first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
-                o = G.decode(step, state, first, n, tok.eos_id)
-            tokens, steps = tokens + len(o) - 1, steps + G.decode.steps
-        out[cat] = (tokens / max(steps, 1), len(prompts), tokens)
+            o, steps, t = run(spec, head, ids, depth)
+            r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
+            if speed:
+                ref, _, t = run(ar, None, ids, 0)
+                r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(ref) - 1, r["t_ar"] + t
+                r["same"] += ref == o
+        out[cat] = r
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (compiled steps then run as CUDA graphs)")
+    p.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--compile_mode", default=None, help="default: max-autotune-no-cudagraphs on CPU")
+    p.add_argument("--compile_mode", default=None,
+                   help="default: max-autotune-no-cudagraphs on CPU, reduce-overhead (CUDA graphs) on CUDA")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--skip_eager", action="store_true")
     p.add_argument("--heads", default=None)
@@ -100,46 +119,72 @@ def main():
     p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens")
     p.add_argument("--spec_bench", type=int, default=0, metavar="N",
                    help="instead: tau of --heads on the first N Spec-Bench questions of each category")
+    p.add_argument("--questions", default=str(SPEC_BENCH), help="with --spec_bench: the questions (JSONL, turns)")
     p.add_argument("--max_prompt", type=int, default=1024, help="with --spec_bench: skip longer prompts")
     p.add_argument("--compile", action="store_true", help="with --spec_bench: compile the step (faster, same tau)")
+    p.add_argument("--speed", action="store_true", help="with --spec_bench: also decode each question "
+                   "autoregressively; time both and compare their outputs")
     args = p.parse_args()
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
+
+def run(args):
+    device = G.check_device(args.device)
+    if args.spec_bench and not args.heads:
+        raise ValueError("--spec_bench measures draft heads: give --heads")
+    if args.spec_bench and not Path(args.questions).is_file():
+        raise ValueError(f"no questions file {args.questions}: give --questions (Spec-Bench's question.jsonl)")
     dtype = getattr(torch, args.dtype)
-    model, tok = load_model(None, "cpu", dtype)
-    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])))
+    model, tok = load_model(args.checkpoint, device, dtype)
+    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])), device=device)
     n = args.max_new_tokens
-    head = load_heads(args.heads, model, None, args.lookup) if args.heads else None
+    head = load_heads(args.heads, model, None, args.lookup).to(device) if args.heads else None
     draft = accept = None
     depth, nodes, scratch = 0, 1, 0
     if head is not None:
         dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
         draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
+    spec = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
+    ar = lambda t, pos: G.ar_step(model, t, pos)
+    compile = lambda fn: G.compile_step(fn, device, args.compile_mode)
     if args.spec_bench:
         t0 = time.perf_counter()
-        taus = spec_bench_tau(model, tok, head, draft, accept, depth, nodes, scratch, args.spec_bench, n, args.max_prompt,
-                              args.compile, args.compile_mode)
-        print(f"\n{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}, greedy, {n} new tokens, {args.dtype}")
-        print("| category | questions | new tokens | tau |\n|---|---|---|---|")
-        for cat, (tau, q, t) in taus.items():
-            print(f"| {cat} | {q} | {t} | {tau:.2f} |")
-        all_t = sum(t for _, _, t in taus.values())
-        all_s = sum(t / tau for tau, _, t in taus.values())
-        print(f"| all | {sum(q for _, q, _ in taus.values())} | {all_t} | {all_t / all_s:.2f} |")
+        # one cache for every question (what a question leaves in it past its own length is masked),
+        # so that compiled steps are compiled once
+        G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
+        if args.compile or args.speed:
+            spec, ar = compile(spec), compile(ar)
+        res = spec_bench(model, tok, head, spec, ar, depth, args.questions, args.spec_bench, n, args.max_prompt,
+                         args.speed)
+        name = f"{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}"
+        print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {device}")
+        cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
+        print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
+        total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values()))}
+        for cat, r in [*res.items(), ("all", total)]:
+            row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
+            if args.speed:
+                ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
+                row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
+            print(row)
         print(f"({time.perf_counter() - t0:.0f} s) command: python " + " ".join(sys.argv))
         return
     G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
-    ar = lambda t, pos: G.ar_step(model, t, pos)
     engines = {}  # name -> a function measuring (tokens/s, tau) once
     if not args.skip_eager:
         engines["ours, eager"] = lambda: ours(model, None, ar, prompt, 0, n)
-    compiled = G.compile_step(ar, "cpu", args.compile_mode)
+    compiled = compile(ar)
     engines["ours, compiled"] = lambda: ours(model, None, compiled, prompt, 0, n)
     if head is not None:
-        spec = G.compile_step(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), "cpu", args.compile_mode)
+        spec = compile(spec)
         engines[f"ours, compiled, {type(head).__name__} {args.dynamic_tree or args.tree}"] = \
             lambda: ours(model, head, spec, prompt, depth, n)
     if not args.skip_hf:
-        engines["transformers generate"] = hf(dtype, prompt, n)
+        engines["transformers generate"] = hf(dtype, device, prompt, n)
     for measure in engines.values():  # warm up, compile
         measure()
     # The engines take turns, round after round, so that drifts of this shared machine's speed
@@ -151,8 +196,9 @@ def main():
     first = next(iter(results.values()))
     rows = [(name, statistics.median(r for r, _ in res), res[-1][1],
              statistics.median(r / f for (r, _), (f, _) in zip(res, first))) for name, res in results.items()]
+    threads = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
     print(f"\n{args.dtype}, {n} new tokens, prompt {len(prompt)} tokens, median of {args.runs} interleaved runs, "
-          f"{torch.get_num_threads()} threads")
+          f"{threads}")
     print(f"| engine | tok/s | ms/token | tau | vs {rows[0][0]} |")
     print("|---|---|---|---|---|")
     for name, rate, tau, ratio in rows:

@@ -797,9 +797,14 @@ def train(args):
         while step < stop_at:
             if batches is None or step % per_epoch == 0:
                 batches = epoch_batches(lengths, train_ids, B, args.seed, step // per_epoch)
+            at = step
+            if args.minutes:  # a time budget: the schedule runs over whichever of steps or time ends first
+                at = max(step, int(total * (elapsed + time.perf_counter() - t0) / (60 * args.minutes)))
+                if at >= total:
+                    break
             tokens, answer, h = make_batch(seqs, plens, batches[step % per_epoch], B, device, feats, offsets)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, args.warmup, lr)
+                g["lr"] = lr_at(at, total, args.warmup, lr)
             loss, h1, _, n = run_batch(head, base, args, tokens, answer, W, t2d, train=True, h=h)
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
@@ -818,7 +823,9 @@ def train(args):
         print(f"\ninterrupted at step {step}", file=sys.stderr)
     bar.close()
     save_checkpoint()
-    if step < total:
+    if args.minutes and step < stop_at:
+        print(f"--minutes {args.minutes}: the time was up at step {step} of {total}", file=sys.stderr)
+    elif step < total:
         print(f"stopped at step {step} of {total}; {ckpt_path} saved: continue with the same command and --resume",
               file=sys.stderr)
 
@@ -922,6 +929,8 @@ def main(argv=None):
                                                 "and schedule): fine-tune a head on more data")
     t.add_argument("--features", default=None, help="cache of the base's hidden states over the data (.npy, made "
                    "on first use, ~1 KB a token): later runs of any head skip the base forward")
+    t.add_argument("--minutes", type=float, default=0, help="a time budget: stop after this many minutes, the "
+                   "lr schedule running over whichever of the steps or the time ends first")
     t.add_argument("--stop_after", type=int, default=0, help="stop (checkpointed) after step N; --resume later")
 
     k = sub.add_parser("tasks", help="document-task prompts (summarize, answer from a passage, extract, "

@@ -248,6 +248,18 @@ def test_resume_continues_exactly(tiny, dataset, tmp_path, capsys):
     assert "--steps 12" in capsys.readouterr().err
 
 
+def test_time_budget_stops_and_saves(tiny, dataset, tmp_path, capsys, monkeypatch):
+    """--minutes: the run stops once its time is up, far short of --steps, anneals the lr over the
+    time, evaluates and saves the heads."""
+    lrs = []
+    real_lr_at = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda *a, **k: lrs.append(real_lr_at(*a, **k)) or lrs[-1])
+    record = train.main(train_args(tiny, dataset, tmp_path / "t", "medusa", "--steps", "1000000", "--minutes", "0.03"))
+    assert "the time was up" in capsys.readouterr().err
+    assert 3 < record["steps"] < 1000000 and (tmp_path / "t" / heads.MEDUSA_FILES[0]).exists()
+    assert lrs[-1] < 0.5 * max(lrs)  # the cosine ran down with the time, not with the million steps
+
+
 @pytest.mark.parametrize("kind,extra", [("medusa", []), ("hydra", ["--shared_lm_head"]), ("eagle", [])])
 def test_draft_vocab(tiny, dataset, tmp_path, kind, extra):
     out = tmp_path / "dv"
