@@ -99,6 +99,7 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
                 r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(ref) - 1, r["t_ar"] + t
                 r["same"] += ref == o
         out[cat] = r
+        print(f"{cat}: tau {r['tokens'] / max(r['steps'], 1):.2f}", file=sys.stderr, flush=True)
     return out
 
 

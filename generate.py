@@ -152,10 +152,17 @@ def compile_step(fn, device: str, mode=None):
     if mode is None:
         mode = "reduce-overhead" if device.startswith("cuda") else "max-autotune-no-cudagraphs"
     if not device.startswith("cuda"):
-        import torch._inductor.config
+        import torch._inductor.config as inductor  # (`import torch._inductor...` here would make torch a local)
         # a global switch: inductor reads it outside the `options` of one compile
-        torch._inductor.config.freezing = True
-    return torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+        inductor.freezing = True
+    step = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+    if mode != "reduce-overhead":
+        return step
+    # A CUDA graph's outputs live in its memory pool and its next replay overwrites them; the decode
+    # loop feeds them back as the next step's inputs, so copy them out first (as gpt-fast does)
+    def clone(x):
+        return tuple(map(clone, x)) if isinstance(x, tuple) else x.clone()
+    return lambda *args: clone(step(*args))
 
 
 class Streamer:

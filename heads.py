@@ -236,9 +236,10 @@ class NGram(nn.Module):
     def __init__(self, vocab_size: int, n: int = 3, max_depth: int = 16):
         super().__init__()
         self.vocab_size, self.n, self.num_heads = vocab_size, n, max_depth
+        self.register_buffer("ids", torch.zeros(0, dtype=torch.long), persistent=False)  # .to(device) moves it
 
     def setup_caches(self, max_seq_len: int):
-        self.register_buffer("ids", torch.zeros(max_seq_len, dtype=torch.long), persistent=False)  # token at each position
+        self.ids = torch.zeros(max_seq_len, dtype=torch.long, device=self.ids.device)  # token at each position
 
     def prefill(self, base, h, next_tokens):
         self.ids[1: len(next_tokens) + 1] = next_tokens
@@ -254,7 +255,8 @@ class NGram(nn.Module):
             s = torch.arange(windows.shape[0], device=P.device)
             hit = (windows == key).all(-1) & (s + g <= P) & (P - g + 1 >= 0)
             start = torch.where(hit.any(), torch.where(hit, s + g, -1).max(), start)
-        cont = self.ids[(start + torch.arange(self.num_heads, device=P.device)).clamp(0, P)]  # [max_depth]
+        # (torch.minimum, not clamp(0, P): torch 2.11's compiler read a tensor bound of clamp on the host)
+        cont = self.ids[torch.minimum((start + torch.arange(self.num_heads, device=P.device)).clamp(min=0), P)]
         cont = torch.where(start >= 0, cont, -1)[None]                                    # -1: no proposal
         return self.expand(base, 0, cont, None, None)
 
