@@ -76,7 +76,7 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
 
-    def run(step, h, ids, d):
+    def decode(step, h, ids, d):
         with torch.inference_mode():
             first, state = G.start(model, h, torch.tensor(ids, device=dev), d, dict(temperature=0.0))
             sync()
@@ -87,15 +87,15 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
 
     if speed:  # compile and record (CUDA graphs) outside the timed runs
         ids = next(iter(by_cat.values()))[0]
-        run(spec, head, ids, depth), run(ar, None, ids, 0)
+        decode(spec, head, ids, depth), decode(ar, None, ids, 0)
     out = {}
     for cat, prompts in by_cat.items():
         r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0)
         for ids in prompts:
-            o, steps, t = run(spec, head, ids, depth)
+            o, steps, t = decode(spec, head, ids, depth)
             r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
             if speed:
-                ref, _, t = run(ar, None, ids, 0)
+                ref, _, t = decode(ar, None, ids, 0)
                 r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(ref) - 1, r["t_ar"] + t
                 r["same"] += ref == o
         out[cat] = r
@@ -151,14 +151,14 @@ def run(args):
         draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
     spec = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
     ar = lambda t, pos: G.ar_step(model, t, pos)
-    compile = lambda fn: G.compile_step(fn, device, args.compile_mode)
+    compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
     if args.spec_bench:
         t0 = time.perf_counter()
         # one cache for every question (what a question leaves in it past its own length is masked),
         # so that compiled steps are compiled once
         G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
         if args.compile or args.speed:
-            spec, ar = compile(spec), compile(ar)
+            spec, ar = compiled(spec), compiled(ar)
         res = spec_bench(model, tok, head, spec, ar, depth, args.questions, args.spec_bench, n, args.max_prompt,
                          args.speed)
         name = f"{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}"
@@ -178,10 +178,10 @@ def run(args):
     engines = {}  # name -> a function measuring (tokens/s, tau) once
     if not args.skip_eager:
         engines["ours, eager"] = lambda: ours(model, None, ar, prompt, 0, n)
-    compiled = compile(ar)
-    engines["ours, compiled"] = lambda: ours(model, None, compiled, prompt, 0, n)
+    ar_compiled = compiled(ar)
+    engines["ours, compiled"] = lambda: ours(model, None, ar_compiled, prompt, 0, n)
     if head is not None:
-        spec = compile(spec)
+        spec = compiled(spec)
         engines[f"ours, compiled, {type(head).__name__} {args.dynamic_tree or args.tree}"] = \
             lambda: ours(model, head, spec, prompt, depth, n)
     if not args.skip_hf:

@@ -1,12 +1,15 @@
-"""generate.py as a user runs it: bad input gets one `error: ...` line and a non-zero exit (never a
+"""generate.py (and bench.py's argument checks) as a user runs them: bad input gets one `error: ...` line and a non-zero exit (never a
 traceback, never silent garbage); the default model answers a question end to end."""
 import json
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from conftest import build_hf_model, write_hf_folder
+from conftest import ROOT, build_hf_model, write_hf_folder
 
 # name: what to pass, and what the last line of stderr must say
 BAD_INPUTS = {
@@ -94,3 +97,17 @@ def test_paris(run_cli):
     r = run_cli("--prompt", "What is the capital of France?", "--max_new_tokens", 20, timeout=300)
     assert r.returncode == 0, r.stderr
     assert any("Paris" in line for line in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--spec_bench", 1], "give --heads"),
+    (["--spec_bench", 1, "--heads", "ngram", "--questions", "no-such-file.jsonl"], "give --questions"),
+    (["--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
+])
+def test_bench_bad_input_is_one_clear_error_line(args, says):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    r = subprocess.run([sys.executable, "bench.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error:") and says in r.stderr, r.stderr
