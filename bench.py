@@ -86,8 +86,10 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
             return out, G.decode.steps, time.perf_counter() - t0
 
     if speed:  # compile and record (CUDA graphs) outside the timed runs
+        t0 = time.perf_counter()
         ids = next(iter(by_cat.values()))[0]
         decode(spec, head, ids, depth), decode(ar, None, ids, 0)
+        print(f"compiled and warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     out = {}
     for cat, prompts in by_cat.items():
         r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0)

