@@ -139,6 +139,8 @@ def run(args):
     device = G.check_device(args.device)
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
+    if args.checkpoint and not (args.skip_hf or args.spec_bench):
+        raise ValueError("the transformers peer runs the embedded default model only: add --skip_hf with --checkpoint")
     if args.spec_bench and not Path(args.questions).is_file():
         raise ValueError(f"no questions file {args.questions}: give --questions (Spec-Bench's question.jsonl)")
     dtype = getattr(torch, args.dtype)

@@ -792,6 +792,7 @@ def train(args):
     bar = tqdm(total=total, initial=step, desc=f"train {args.head}", dynamic_ncols=True)
     t0 = time.perf_counter()
     batches = None
+    time_up = False
     head.train()
     try:
         while step < stop_at:
@@ -801,6 +802,7 @@ def train(args):
             if args.minutes:  # a time budget: the schedule runs over whichever of steps or time ends first
                 at = max(step, int(total * (elapsed + time.perf_counter() - t0) / (60 * args.minutes)))
                 if at >= total:
+                    time_up = True
                     break
             tokens, answer, h = make_batch(seqs, plens, batches[step % per_epoch], B, device, feats, offsets)
             for g in opt.param_groups:
@@ -823,7 +825,7 @@ def train(args):
         print(f"\ninterrupted at step {step}", file=sys.stderr)
     bar.close()
     save_checkpoint()
-    if args.minutes and step < stop_at:
+    if time_up:
         print(f"--minutes {args.minutes}: the time was up at step {step} of {total}", file=sys.stderr)
     elif step < total:
         print(f"stopped at step {step} of {total}; {ckpt_path} saved: continue with the same command and --resume",

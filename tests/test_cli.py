@@ -103,6 +103,7 @@ def test_paris(run_cli):
     (["--spec_bench", 1], "give --heads"),
     (["--spec_bench", 1, "--heads", "ngram", "--questions", "no-such-file.jsonl"], "give --questions"),
     (["--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
+    (["--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
 ])
 def test_bench_bad_input_is_one_clear_error_line(args, says):
     if "cuda" in args and torch.cuda.is_available():
