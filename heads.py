@@ -8,7 +8,8 @@ Every head answers the decode loop the same way, so the loop never asks which on
   expand(base, depth, parent_state [F, *], tokens [F], attn) -> (logits [F or 1, V], state [F, *])
       the child logits of F tree nodes at `depth` given their tokens and their parents' states.
       Logits of one row mean "the same for every node" (Medusa's heads ignore the path).
-  prefill(base, h [T, dim], next_tokens [T]) fills a head's own cache (EAGLE, Hydra++) with the prompt.
+  prefill(base, h [T, dim], next_tokens [T]) fills a head's own cache (EAGLE, Hydra++) with the prompt
+      and starts its context tokens (a draft vocab's, below).
 draft_static / draft_dynamic below turn those into a token tree with static shapes.
 """
 import json
@@ -36,24 +37,64 @@ def last_row(x: Tensor, n: Tensor) -> Tensor:
 
 # A draft vocabulary (FR-Spec, EAGLE-3): a head's logits cover only V' frequent tokens, since on a
 # small model the lm_head is most of a draft step. Verification stays over the full vocabulary.
+# The frequent tokens of the training text miss the rare ones that an answer copies from its prompt
+# (names, numbers, code identifiers: 8-22% of the tokens of Spec-Bench's prompts fall outside the
+# 8,192 of the shipped heads), so a head that shares the base's lm_head also drafts over the
+# context's tokens outside its vocab: up to CTX of them, added as they appear (prompt, then
+# accepted tokens); their logits come from the base's lm_head rows like the others'.
+CTX = 512
+
 
 def set_draft_vocab(head, base, d2t: Tensor):
     """d2t: [V'] token id of each draft id. Heads that share the base's lm_head use its d2t rows."""
-    head.register_buffer("d2t", d2t.to(base.output.weight.device), persistent=False)
-    head.register_buffer("draft_w", base.output.weight[head.d2t], persistent=False)  # [V', dim]
+    dev, W = base.output.weight.device, base.output.weight
+    head.register_buffer("d2t", d2t.to(dev), persistent=False)
+    head.register_buffer("draft_w", W[head.d2t], persistent=False)                 # [V', dim]
+    known = torch.zeros(base.args.vocab_size + 1, dtype=torch.bool, device=dev)   # [V + 1], the last a sink
+    known[head.d2t] = True
+    head.register_buffer("in_draft", known, persistent=False)
+    head.register_buffer("known", known.clone(), persistent=False)                # in the vocab or the context
+    head.register_buffer("ctx_ids", torch.zeros(CTX + 1, dtype=torch.long, device=dev), persistent=False)
+    head.register_buffer("ctx_w", W.new_zeros(CTX + 1, W.shape[1]), persistent=False)  # [CTX + 1, dim], the last a sink
+    head.register_buffer("ctx_n", torch.zeros((), dtype=torch.long, device=dev), persistent=False)
     return head
 
 
+def note_context(head, base, tokens: Tensor, valid: Optional[Tensor] = None, reset: bool = False):
+    """Adds the tokens [T] (where valid [T]) outside the draft vocab to the context's tokens; reset:
+    a new prompt. Static shapes, no host sync (it runs inside the compiled step)."""
+    if getattr(head, "ctx_ids", None) is None:
+        return
+    if reset:
+        head.known.copy_(head.in_draft)
+        head.ctx_n.zero_()
+    T, V = tokens.shape[0], head.known.shape[0] - 1
+    i = torch.arange(T, device=tokens.device)
+    first = torch.full((V,), T, device=tokens.device).scatter_reduce(0, tokens, i, "amin")[tokens] == i
+    new = ~head.known[tokens] & first & (True if valid is None else valid)
+    slot = head.ctx_n + new.cumsum(0) - 1
+    new &= slot < CTX
+    slot = torch.where(new, slot, CTX)                            # the rest go to the sinks
+    head.ctx_ids.index_copy_(0, slot, tokens)
+    head.ctx_w.index_copy_(0, slot, base.output.weight[tokens])
+    head.known.index_fill_(0, torch.where(new, tokens, V), True)
+    head.ctx_n.add_(new.sum())
+
+
 def shared_logits(head, base, x: Tensor) -> Tensor:
-    # the base's lm_head, restricted to the draft vocab when the head has one
+    # the base's lm_head, restricted to the draft vocab and the context's tokens when the head has one
     w = getattr(head, "draft_w", None)
-    return base.output(x) if w is None else F.linear(x, w.to(x.dtype))
+    if w is None:
+        return base.output(x)
+    ctx = F.linear(x, head.ctx_w[:CTX].to(x.dtype))
+    ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
+    return torch.cat([F.linear(x, w.to(x.dtype)), ctx], -1)      # [*, V' + CTX]
 
 
 def token_ids(head, idx: Tensor) -> Tensor:
     # indices into a head's logits -> token ids
     d2t = getattr(head, "d2t", None)
-    return idx if d2t is None else d2t[idx]
+    return idx if d2t is None else torch.cat([d2t, head.ctx_ids[:CTX]])[idx]
 
 
 # ---------------------------------------------------------------- Medusa
@@ -86,7 +127,7 @@ class Medusa(nn.Module):
         pass
 
     def prefill(self, base, h, next_tokens):
-        pass
+        note_context(self, base, next_tokens, reset=True)
 
     def head_logits(self, base, k: int, x: Tensor) -> Tensor:
         y = self.medusa_head[k](x)
@@ -154,6 +195,7 @@ class Eagle(nn.Module):
 
     def prefill(self, base, h, next_tokens):
         # the prompt's rows but the last, which the first step's begin() writes
+        note_context(self, base, next_tokens, reset=True)
         self.layer.catch_up(self.rows(base, h[:-1], next_tokens[:-1]), torch.zeros((), dtype=torch.long))
 
     def begin(self, base, h, next_tokens, n, P):
@@ -209,6 +251,7 @@ class Hydra(nn.Module):
             self.prefix.setup_caches(max_seq_len)
 
     def prefill(self, base, h, next_tokens):
+        note_context(self, base, next_tokens, reset=True)
         if self.prefix:
             self.prefix.catch_up(h[:-1].to(self.prefix_norm.weight.dtype), torch.zeros((), dtype=torch.long))
 
@@ -360,6 +403,7 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
     if plan.lookup:
         chain = lookup_chain(head, base, h, next_tokens, n, P, D)  # [D]
         head = head.head
+    note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
     logits, state = head.begin(base, h, next_tokens, n, P)       # [1, V], [1, *]
     out = [root]
     for d in range(1, D + 1):
@@ -384,6 +428,7 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         chain = lookup_chain(head, base, h, next_tokens, n, P, depth)  # [depth]
         head = head.head
     root = last_row(next_tokens, n)
+    note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
     logits, state = head.begin(base, h, next_tokens, n, P)
     logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
     scores, tokens = logp[0].topk(top_k)                          # [k]

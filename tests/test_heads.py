@@ -235,6 +235,29 @@ SHIPPED = ["medusa-smollm2", "hydra-smollm2", "eagle-smollm2"]
 HEADS_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "heads"
 
 
+def test_context_tokens_join_the_draft_vocab(base, monkeypatch):
+    """A head with a draft vocab that shares the base's lm_head also drafts over the context's tokens
+    outside that vocab: each added once, only where valid, up to CTX; their logits are the base's
+    lm_head rows, unused slots -inf; a new prompt clears them."""
+    monkeypatch.setattr(H, "CTX", 4)
+    head = H.set_draft_vocab(make_head("eagle", base.args, seed=1), base, torch.arange(0, 64, 2))  # V' = 32
+    H.note_context(head, base, torch.tensor([3, 4, 5, 3, 7]), reset=True)         # 4 is in the vocab, 3 twice
+    assert head.ctx_n.item() == 3 and head.ctx_ids[:3].tolist() == [3, 5, 7]
+    H.note_context(head, base, torch.tensor([7, 9, 11]), valid=torch.tensor([True, True, False]))
+    assert head.ctx_n.item() == 4 and head.ctx_ids[:4].tolist() == [3, 5, 7, 9]
+    x = torch.randn(2, base.args.dim)
+    logits = H.shared_logits(head, base, x)                                          # [2, V' + CTX]
+    ids = H.token_ids(head, torch.arange(32 + 4))
+    assert ids[32:].tolist() == [3, 5, 7, 9]
+    torch.testing.assert_close(logits, base.output(x)[:, ids])
+    H.note_context(head, base, torch.tensor([13, 15, 17, 19, 21]), reset=True)       # more than CTX
+    assert head.ctx_n.item() == 4 and H.token_ids(head, torch.arange(32, 36)).tolist() == [13, 15, 17, 19]
+    H.note_context(head, base, torch.tensor([1]), reset=True)
+    logits = H.shared_logits(head, base, x)
+    assert torch.isinf(logits[:, 33:]).all()
+    torch.testing.assert_close(logits[:, :33], base.output(x)[:, torch.cat([head.d2t, torch.tensor([1])])])
+
+
 def test_shipped_heads_are_small_bf16_files():
     files = [f for name in SHIPPED for f in (HEADS_DIR / name).glob("*.safetensors")]
     assert len(files) == len(SHIPPED)
