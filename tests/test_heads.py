@@ -277,4 +277,4 @@ def test_shipped_heads_decode_exactly_and_get_drafts_accepted(default_model, nam
     head = H.load_heads(HEADS_DIR / name, model)
     assert len(head.d2t) == 8192
     tau = speculative_tau(model, tok, head, "tree16", "Explain why the sky is blue, in three sentences.", n=64)
-    assert tau > 1.2, tau  # measured: Medusa 1.47, Hydra 1.47, EAGLE 1.75 (the shipped heads of 2026-11-30)
+    assert tau > 1.2, tau  # measured: Medusa 1.43, Hydra 1.50, EAGLE 1.75 (the shipped heads of 2026-11-30, context tokens on)
