@@ -278,3 +278,18 @@ def test_shipped_heads_decode_exactly_and_get_drafts_accepted(default_model, nam
     assert len(head.d2t) == 8192
     tau = speculative_tau(model, tok, head, "tree16", "Explain why the sky is blue, in three sentences.", n=64)
     assert tau > 1.2, tau  # measured: Medusa 1.43, Hydra 1.50, EAGLE 1.75 (the shipped heads of 2026-11-30, context tokens on)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_heads_draft_the_prompts_rare_words(default_model, name):
+    """Made-up words are outside every shipped head's draft vocab; the heads draft their tokens from
+    the context (note_context in the decode loop), and decoding stays exact."""
+    from test_train import speculative_equals_autoregressive
+    model, tok = default_model
+    head = H.load_heads(HEADS_DIR / name, model)
+    prompt = tok.encode(tok.chat([{"role": "user", "content":
+                                   "Write one sentence that uses the words Zorblax, Quintavian and Merfleck."}]))
+    drafted = []
+    speculative_equals_autoregressive(model, head, prompt, 40, drafted, tree="tree16")
+    assert head.ctx_n.item() > 0
+    assert sum((~torch.isin(t[1:], head.d2t)).sum().item() for t in drafted) > 0  # measured: EAGLE 2, Hydra 14, Medusa 22
