@@ -68,9 +68,9 @@ def note_context(head, base, tokens: Tensor, valid: Optional[Tensor] = None, res
     if reset:
         head.known.copy_(head.in_draft)
         head.ctx_n.zero_()
-    T, V = tokens.shape[0], head.known.shape[0] - 1
-    i = torch.arange(T, device=tokens.device)
-    first = torch.full((V,), T, device=tokens.device).scatter_reduce(0, tokens, i, "amin")[tokens] == i
+    V = head.known.shape[0] - 1
+    s, order = tokens.sort(stable=True)                           # first occurrences: O(T log T), no [V] buffer
+    first = torch.empty_like(tokens, dtype=torch.bool).scatter_(0, order, torch.cat([s[:1] >= 0, s[1:] != s[:-1]]))
     new = ~head.known[tokens] & first & (True if valid is None else valid)
     slot = head.ctx_n + new.cumsum(0) - 1
     new &= slot < CTX
