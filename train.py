@@ -6,6 +6,7 @@
     python train.py train --head eagle --data data/selfdistill.npz --out heads/eagle-smollm2 --resume
     python train.py tasks --data data/invented.npz --out tasks.jsonl      # prompts quoting its answers: summarize...
     python train.py train --head eagle --init heads/eagle-smollm2 ...       # fine-tune saved heads on more data
+    python train.py train --head eagle --draft_vocab 8192 --context ...     # 8,192 frequent tokens + the context's others
 
 Self-distillation: a head is right when it guesses what the base model will say, so it learns from the
 base model's own greedy answers (what greedy speculative decoding must reproduce), not from human text.
@@ -547,6 +548,20 @@ def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
     return logits, tokens[:, k + 2:][sel], sel, extra
 
 
+def context_vocab(tokens, t2d):
+    """--context: the batch's tokens outside the draft vocab, which heads.note_context adds to the draft
+    at inference once they are in the context. Returns oov [U] token ids and seen [B, T, U]: token u
+    is in the context of the draft from position t (the tokens up to t+1, the root, are known then)."""
+    B, T = tokens.shape
+    out = t2d[tokens] < 0                                                      # [B, T]
+    oov = tokens[out].unique()                                                 # [U], sorted
+    U = oov.shape[0]
+    idx = torch.where(out, torch.searchsorted(oov, tokens), U)                 # [B, T], U: in the vocab
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    first = torch.full((B, U + 1), T, device=tokens.device).scatter_reduce(1, idx, pos, "amin")[:, :U]
+    return oov, first[:, None, :] <= torch.arange(T, device=tokens.device)[None, :, None] + 1
+
+
 def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
     """One batch: the base's hidden states (frozen, no grad, computed once for every head, or given:
     h [B, T, dim] from the features cache), then each head's loss and top-1/top-5 hits where it predicts
@@ -565,20 +580,32 @@ def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
     # a shared trunk (EAGLE's layer, Hydra++'s prefix) is cut off here and backpropagated once at the end
     leaf = trunk.detach().requires_grad_() if train and trunk.requires_grad else trunk
     K = num_heads(head, args)
+    Vd, seen = W.shape[0], None
+    if args.context:  # score the context's tokens outside the vocab as decoding does, with their lm_head rows
+        oov, seen = context_vocab(tokens, t2d)
+        W = torch.cat([W, base.output.weight[oov]])                             # [V' + U, dim]
+        t2d = t2d.clone().index_put_((oov,), torch.arange(Vd, W.shape[0], device=W.device))
     total, hits1, hits5, counts = 0.0, [0] * K, [0] * K, [0] * K
     for k in range(K):
         with amp, torch.set_grad_enabled(train):
             logits, targets, sel, extra = head_outputs(head, base, args, k, leaf, tokens, answer, h, W)
             if logits.shape[0] == 0:
                 continue
-            logp = F.log_softmax(logits.float(), -1)                            # [N, V']
+            logits = logits.float()
             tgt = targets if t2d is None else t2d[targets]                      # draft ids, -1: not in it
+            if seen is not None:
+                # a context token not yet seen at t is not in the draft: -1e4, not -inf, keeps kl_div finite
+                hide = F.pad(~seen[:, :tokens.shape[1] - k - 2][sel], (Vd, 0))   # [N, V' + U]
+                logits = logits.masked_fill(hide, -1e4)
+                tgt = tgt.masked_fill(hide.gather(1, tgt.clamp(min=0)[:, None])[:, 0], -1)
+            logp = F.log_softmax(logits, -1)                                    # [N, V'(+U)]
             if teacher:
                 # KL(base || head) to the base's distribution at t+k+1 (the soft cross-entropy less the
                 # base's entropy: the same gradient, and 0 at a perfect match); with a draft vocab, that
                 # distribution renormalised over it
                 with torch.no_grad():
-                    logp_base = F.log_softmax(F.linear(h[:, k + 1:T - 1][sel], W).float(), -1)  # [N, V']
+                    z = F.linear(h[:, k + 1:T - 1][sel], W).float()
+                    logp_base = F.log_softmax(z if seen is None else z.masked_fill(hide, -1e4), -1)  # [N, V'(+U)]
                 loss = F.kl_div(logp, logp_base, log_target=True, reduction="batchmean")
             else:
                 ok = tgt >= 0
@@ -707,7 +734,7 @@ def init_from(head, folder, base, kind: str, d2t):
 
 
 # what a checkpoint's run must share with the run that resumes it
-RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "unroll", "draft_vocab", "targets",
+RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hydra_prefix", "unroll", "draft_vocab", "context", "targets",
                "data", "checkpoint", "batch_size", "max_len", "holdout", "seed", "epochs", "steps", "lr", "warmup")
 
 
@@ -715,6 +742,9 @@ def train(args):
     device = check_device(args.device)
     if args.unroll < 1 or args.unroll > 1 and args.head != "eagle":
         raise ValueError(f"--unroll {args.unroll}: give EAGLE 1 or more draft steps to train (other heads: leave it out)")
+    if args.context and (not args.draft_vocab or args.head != "eagle" and not args.shared_lm_head):
+        raise ValueError("--context needs --draft_vocab and a head that shares the base lm_head "
+                         "(EAGLE, or --shared_lm_head): only those draft the context's tokens")
     torch.manual_seed(args.seed)
     # --bf16: the frozen base runs in bf16 (as decoding with --dtype bfloat16 does; its static cache
     # takes one dtype, so no autocast there) and the heads under autocast with fp32 weights
@@ -857,6 +887,7 @@ def train(args):
                        for i in range(n_curve)],
         "heldout": {"positions": counts, "top1": top1, "top5": top5},
         "draft_vocab": args.draft_vocab or None,
+        "context": args.context,   # held-out accuracy also counts the context's tokens outside the vocab
         # --init: how the heads it started from were trained (their own record)
         "init": init_record,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
@@ -910,6 +941,8 @@ def main(argv=None):
     t.add_argument("--unroll", type=int, default=1, help="EAGLE: train U draft steps, each from the previous "
                    "step's own predicted features (training-time test); held-out accuracy per step")
     t.add_argument("--draft_vocab", type=int, default=0, help="predict over the V' most frequent tokens (0: all)")
+    t.add_argument("--context", action="store_true", help="with --draft_vocab and a shared lm_head: also predict "
+                   "the tokens outside the vocab that the context holds so far, as decoding drafts them")
     t.add_argument("--batch_size", type=int, default=8, help="sequences a step")
     t.add_argument("--max_len", type=int, default=1024, help="longer sequences are cut")
     t.add_argument("--epochs", type=int, default=1)
