@@ -13,6 +13,7 @@ decodes each question autoregressively (compiled; CUDA graphs on a GPU) and repo
 whether the outputs are the same.
 """
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -60,11 +61,30 @@ def hf(dtype, device, prompt, n):
     return measure
 
 
-def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, max_prompt, speed=False):
+def near_tie(ref, ids, spec_out, ar_out, dtype):
+    """Where a speculative and an autoregressive output first differ: the two tokens' logits from
+    `ref` (an fp32 copy of the base) over the common prefix. Returns (position, fp32 logit of the
+    speculative token minus the autoregressive one's, the run dtype's spacing at their size, which
+    of the two is the fp32 argmax: 'spec', 'ar' or 'other'), or None if neither output differs."""
+    i = next((j for j, (x, y) in enumerate(zip(spec_out, ar_out)) if x != y), None)
+    if i is None:
+        return None
+    prefix = torch.tensor([ids + ar_out[:i]], device=ref.output.weight.device)
+    with torch.inference_mode():
+        z = ref(prefix, torch.arange(prefix.shape[1], device=prefix.device))[0, -1].float()   # [V]
+    a, b = spec_out[i], ar_out[i]
+    size = max(abs(float(z[a])), abs(float(z[b])), torch.finfo(dtype).tiny)
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(size))
+    top = int(z.argmax())
+    return i, float(z[a] - z[b]), ulp, "spec" if top == a else "ar" if top == b else "other"
+
+
+def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, max_prompt, speed=False, ref=None):
     """Greedy speculative decoding (step `spec`) on the first questions of each Spec-Bench category
     (evaluation only). speed: also decode each question autoregressively (step `ar`), timing both
-    decode loops side by side (prefill excluded), and compare the two outputs token for token.
-    Returns {category: dict(q, tokens, steps, t_spec, t_ar, same)}."""
+    decode loops side by side (prefill excluded), and compare the two outputs token for token;
+    ref: an fp32 copy of the base, to judge where they differ (near_tie).
+    Returns {category: dict(q, tokens, steps, t_spec, t_ar, same, ties)}."""
     import json
     from collections import defaultdict
     by_cat = defaultdict(list)
@@ -92,14 +112,16 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
         print(f"compiled and warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     out = {}
     for cat, prompts in by_cat.items():
-        r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0)
+        r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0, ties=[])
         for ids in prompts:
             o, steps, t = decode(spec, head, ids, depth)
             r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
             if speed:
-                ref, _, t = decode(ar, None, ids, 0)
-                r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(ref) - 1, r["t_ar"] + t
-                r["same"] += ref == o
+                o_ar, _, t = decode(ar, None, ids, 0)
+                r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(o_ar) - 1, r["t_ar"] + t
+                r["same"] += o_ar == o
+                if ref is not None and o_ar != o:
+                    r["ties"].append(near_tie(ref, ids, o, o_ar, model.output.weight.dtype))
         out[cat] = r
         print(f"{cat}: tau {r['tokens'] / max(r['steps'], 1):.2f}", file=sys.stderr, flush=True)
     return out
@@ -127,6 +149,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="with --spec_bench: compile the step (faster, same tau)")
     p.add_argument("--speed", action="store_true", help="with --spec_bench: also decode each question "
                    "autoregressively; time both and compare their outputs")
+    p.add_argument("--ties", action="store_true", help="with --spec_bench (implies --speed): where an output "
+                   "differs from the autoregressive one, compare the two tokens' logits in an fp32 forward")
     args = p.parse_args()
     try:
         run(args)
@@ -137,6 +161,9 @@ def main():
 
 def run(args):
     device = G.check_device(args.device)
+    args.speed = args.speed or args.ties
+    if args.ties and not args.spec_bench:
+        raise ValueError("--ties judges Spec-Bench outputs: give --spec_bench N")
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):
@@ -163,19 +190,34 @@ def run(args):
         G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
         if args.compile or args.speed:
             spec, ar = compiled(spec), compiled(ar)
+        ref = None
+        if args.ties:  # an fp32 copy of the base judges where the outputs differ
+            ref, _ = load_model(args.checkpoint, device, torch.float32)
+            ref.setup_caches(1, args.max_prompt + n + 1)
         res = spec_bench(model, tok, head, spec, ar, depth, args.questions, args.spec_bench, n, args.max_prompt,
-                         args.speed)
+                         args.speed, ref)
         name = f"{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}"
         print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {device}")
         cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
         print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
-        total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values()))}
+        total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values())) if k != "ties"}
         for cat, r in [*res.items(), ("all", total)]:
             row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
             if args.speed:
                 ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
                 row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
             print(row)
+        if ref is not None:
+            ties = [(cat, *t) for cat, r in res.items() for t in r["ties"] if t is not None]
+            print(f"\nwhere the {len(ties)} differing outputs first differ, an fp32 forward over the common prefix:")
+            print(f"| category | token | fp32 logit, speculative - AR token | {args.dtype} spacing there | "
+                  "fp32 argmax |\n|---|---|---|---|---|")
+            for cat, i, gap, ulp, top in ties:
+                print(f"| {cat} | {i} | {gap:+.3f} | {ulp:.3f} | {top} |")
+            close = sum(abs(gap) <= 2 * ulp for _, _, gap, ulp, _ in ties)
+            votes = {w: sum(t[-1] == w for t in ties) for w in ("spec", "ar", "other")}
+            print(f"within 2 {args.dtype} spacings: {close} of {len(ties)}; the fp32 argmax is the speculative "
+                  f"token in {votes['spec']}, the autoregressive one in {votes['ar']}, another in {votes['other']}")
         print(f"({time.perf_counter() - t0:.0f} s) command: python " + " ".join(sys.argv))
         return
     G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)

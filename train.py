@@ -31,10 +31,11 @@ from checkpoint import DEFAULT_NAME, load_model
 from generate import check_device, compile_step
 from heads import Eagle, Hydra, Medusa, save_heads, set_draft_vocab
 from model import ModelArgs
-from trees import logits_to_probs, sample
+from trees import MEDUSA_TREES, fit_tree, logits_to_probs, sample, tree_tau
 
 ROOT = Path(__file__).resolve().parent
 BENCHMARK = ROOT.parent / "shared" / "data" / "spec_bench.jsonl"
+RANKS = 10  # held-out ranks are told apart up to here: Medusa's trees take a head's top 10 at most
 
 
 # ---------------------------------------------------------------- the data file
@@ -320,12 +321,29 @@ def generate_batch(model, step, prompts, max_new_tokens: int, stop_ids, temperat
     return [r[: next((j + 1 for j, x in enumerate(r) if x in stop_ids), len(r))] for r in new]
 
 
+def read_openers(path) -> list:
+    """--openers: one beginning of a user turn a line (blank lines and '#' comments skipped)."""
+    check_not_benchmark(path)
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --openers {path}: {e}") from None
+    openers = [l.strip() for l in lines if l.strip() and not l.lstrip().startswith("#")]
+    if not openers:
+        raise ValueError(f"--openers {path} holds no line: give one beginning of a user turn a line")
+    return openers
+
+
 def make_data(args):
     device = check_device(args.device)
+    if args.openers and args.prompts:
+        raise ValueError("--openers starts the user turns the model invents: leave out --prompts")
     prompt_texts = read_prompts(args.prompts) if args.prompts else None  # refuse bad files before loading
+    openers = read_openers(args.openers) if args.openers else None
     model, tokenizer = load_model(args.checkpoint, device, getattr(torch, args.dtype))
     meta = {"format": 1, "base_model": args.checkpoint or DEFAULT_NAME, "vocab_size": model.args.vocab_size,
-            "eos_id": tokenizer.eos_id, "prompts": str(args.prompts) if args.prompts else "invented",
+            "eos_id": tokenizer.eos_id,
+            "prompts": str(args.prompts) if args.prompts else f"invented, openers {args.openers}" if openers else "invented",
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
     out = Path(args.out)
@@ -369,12 +387,16 @@ def make_data(args):
             raise ValueError("--max_user_tokens does not fit: raise --max_prompt_tokens")
 
     def invent():
-        # the model writes B user turns at --prompt_temperature, then each becomes a chat prompt
-        rows = generate_batch(model, step, [prefix] * B, args.max_user_tokens, user_stop,
+        # the model writes B user turns at --prompt_temperature (each from a random opener, with
+        # --openers), then each becomes a chat prompt
+        starts = [[]] * B
+        if openers:
+            starts = [tokenizer.encode(openers[i], bos=False) for i in torch.randint(len(openers), (B,)).tolist()]
+        rows = generate_batch(model, step, [prefix + s for s in starts], args.max_user_tokens, user_stop,
                               args.prompt_temperature, 0, args.top_p)
         fresh = []
-        for r in rows:
-            text = tokenizer.decode([t for t in r if t not in user_stop]).strip()
+        for s, r in zip(starts, rows):
+            text = tokenizer.decode(s + [t for t in r if t not in user_stop]).strip()
             ids = encode_prompt(tokenizer, text) if text else None
             if ids and len(ids) <= args.max_prompt_tokens and tuple(ids) not in seen:
                 seen.add(tuple(ids))
@@ -564,10 +586,12 @@ def context_vocab(tokens, t2d):
 
 def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
     """One batch: the base's hidden states (frozen, no grad, computed once for every head, or given:
-    h [B, T, dim] from the features cache), then each head's loss and top-1/top-5 hits where it predicts
-    an answer token. With train, backpropagates one head at a time, so that only one [N, V'] logits
+    h [B, T, dim] from the features cache), then each head's loss and the rank of its target where it
+    predicts an answer token. With train, backpropagates one head at a time, so that only one [N, V'] logits
     tensor lives at once. tokens, answer: [B, T] (answer[b, t]: token t is a self-distilled answer token);
-    W [V', dim]: the base's lm_head rows of the draft vocab. Returns (weighted loss, hits1 [K], hits5 [K], counts [K])."""
+    W [V', dim]: the base's lm_head rows of the draft vocab. Returns (weighted loss, ranks [P, K]): at each of
+    the P roots whose head-0 target is an answer token, the rank of head k's target in its draft (0: its top-1;
+    RANKS: not in its top RANKS or not in the draft at all; -1: no target, past the answer's end)."""
     T = tokens.shape[1]
     amp = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.bf16)  # the heads'
     if h is None:
@@ -585,7 +609,8 @@ def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
         oov, seen = context_vocab(tokens, t2d)
         W = torch.cat([W, base.output.weight[oov]])                             # [V' + U, dim]
         t2d = t2d.clone().index_put_((oov,), torch.arange(Vd, W.shape[0], device=W.device))
-    total, hits1, hits5, counts = 0.0, [0] * K, [0] * K, [0] * K
+    total = 0.0
+    ranks = torch.full((K,) + answer[:, 2:].shape, -1, dtype=torch.long, device=tokens.device)  # [K, B, T-2]
     for k in range(K):
         with amp, torch.set_grad_enabled(train):
             logits, targets, sel, extra = head_outputs(head, base, args, k, leaf, tokens, answer, h, W)
@@ -616,11 +641,18 @@ def run_batch(head, base, args, tokens, answer, W, t2d, train: bool, h=None):
         if train:
             (w * loss).backward()
         total += w * loss.item()
-        top = logits.topk(min(5, logits.shape[-1]), -1).indices == tgt[:, None]   # [N, 5]
-        hits1[k], hits5[k], counts[k] = int(top[:, 0].sum()), int(top.any(1).sum()), logits.shape[0]
+        with torch.no_grad():
+            at = logits.gather(1, tgt.clamp(min=0)[:, None])                    # [N, 1]
+            r = torch.where(tgt >= 0, ((logits >= at).sum(-1) - 1).clamp(max=RANKS), RANKS)  # ties rank it lower
+            ranks[k, :, :sel.shape[1]][sel] = r
     if leaf is not trunk and leaf.grad is not None:
         trunk.backward(leaf.grad)
-    return total, hits1, hits5, counts
+    return total, ranks.permute(1, 2, 0)[answer[:, 2:]]                        # [P, K]
+
+
+def hit_rates(ranks, top: int) -> list:
+    """Per head, the fraction of its targets in its top `top`. ranks: [P, K] from run_batch."""
+    return [round(float((r[r >= 0] < top).float().mean()), 4) if bool((r >= 0).any()) else 0.0 for r in ranks.T]
 
 
 # ---------------------------------------------------------------- training
@@ -837,14 +869,14 @@ def train(args):
             tokens, answer, h = make_batch(seqs, plens, batches[step % per_epoch], B, device, feats, offsets)
             for g in opt.param_groups:
                 g["lr"] = lr_at(at, total, args.warmup, lr)
-            loss, h1, _, n = run_batch(head, base, args, tokens, answer, W, t2d, train=True, h=h)
+            loss, ranks = run_batch(head, base, args, tokens, answer, W, t2d, train=True, h=h)
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
             losses.append(loss)
-            recent = (recent + [(h1, n)])[-50:]
+            recent = (recent + [((ranks == 0).sum(0).tolist(), (ranks >= 0).sum(0).tolist())])[-50:]
             acc = [sum(r[0][k] for r in recent) / max(1, sum(r[1][k] for r in recent)) for k in range(K)]
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}",
@@ -863,18 +895,22 @@ def train(args):
 
     # held-out accuracy: the last sequences of the data, never trained on
     head.eval()
-    hits1, hits5, counts = [0] * K, [0] * K, [0] * K
+    ranks = [torch.zeros(0, K, dtype=torch.long)]
     with torch.no_grad():
         for j in range(0, len(hold_ids), B):
             tokens, answer, h = make_batch(seqs, plens, hold_ids[j:j + B], B, device, feats, offsets)
-            _, a, b, c = run_batch(head, base, args, tokens, answer, W, t2d, train=False, h=h)
-            hits1 = [x + y for x, y in zip(hits1, a)]
-            hits5 = [x + y for x, y in zip(hits5, b)]
-            counts = [x + y for x, y in zip(counts, c)]
-    top1 = [round(h / max(1, c), 4) for h, c in zip(hits1, counts)]
-    top5 = [round(h / max(1, c), 4) for h, c in zip(hits5, counts)]
+            ranks.append(run_batch(head, base, args, tokens, answer, W, t2d, train=False, h=h)[1].cpu())
+    ranks = torch.cat(ranks)                                                    # [P, K]
+    counts = (ranks >= 0).sum(0).tolist()
+    top1, top5 = hit_rates(ranks, 1), hit_rates(ranks, 5)
+    # a static tree fit to these heads, as Medusa fit mc_sim_7b_63 to vicuna-7b's: --tree OUT/tree.json
+    paths = fit_tree(ranks, args.tree_size, RANKS)
+    tree = {"size": len(paths), "heldout_tau": round(tree_tau(ranks, paths), 3),
+            "heldout_tau_mc_sim_7b_63": round(tree_tau(ranks, MEDUSA_TREES["mc_sim_7b_63"]), 3)}
 
     save_heads(head, out, base_model=base_name, dtype=getattr(torch, args.save_dtype))
+    if paths:  # none when no head ever drafted a held-out token right
+        (out / "tree.json").write_text(json.dumps(paths))
     n_curve = min(20, len(losses))
     chunk = len(losses) / max(1, n_curve)
     record = {
@@ -886,6 +922,7 @@ def train(args):
         "loss_curve": [round(sum(losses[int(i * chunk):int((i + 1) * chunk)]) / max(1, int((i + 1) * chunk) - int(i * chunk)), 4)
                        for i in range(n_curve)],
         "heldout": {"positions": counts, "top1": top1, "top5": top5},
+        "tree": tree,   # tree.json's expected tau on the held-out text, and mc_sim_7b_63's
         "draft_vocab": args.draft_vocab or None,
         "context": args.context,   # held-out accuracy also counts the context's tokens outside the vocab
         # --init: how the heads it started from were trained (their own record)
@@ -893,7 +930,9 @@ def train(args):
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }
     (out / "train_record.json").write_text(json.dumps(record, indent=1))
-    print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}", file=sys.stderr)
+    print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}; expected tau of "
+          f"tree.json ({len(paths)} nodes) {tree['heldout_tau']}, of mc_sim_7b_63 {tree['heldout_tau_mc_sim_7b_63']}",
+          file=sys.stderr)
     return {**record, "losses": losses}
 
 
@@ -915,6 +954,8 @@ def main(argv=None):
     d.add_argument("--max_user_tokens", type=int, default=128, help="length cap of an invented user turn")
     d.add_argument("--temperature", type=float, default=0.0, help="answers: 0 = greedy, what greedy decoding says")
     d.add_argument("--prompt_temperature", type=float, default=1.0, help="invented user turns")
+    d.add_argument("--openers", default=None, help="a text file, one beginning of a user turn a line: each "
+                   "invented turn starts with a random one (steers the prompts toward kinds of task)")
     d.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling where sampling")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cpu")
@@ -940,6 +981,8 @@ def main(argv=None):
     t.add_argument("--p_weight", type=float, default=0.1, help="EAGLE: token loss weight")
     t.add_argument("--unroll", type=int, default=1, help="EAGLE: train U draft steps, each from the previous "
                    "step's own predicted features (training-time test); held-out accuracy per step")
+    t.add_argument("--tree_size", type=int, default=63, help="nodes of the static tree fit to the heads' "
+                   "held-out ranks, written to OUT/tree.json")
     t.add_argument("--draft_vocab", type=int, default=0, help="predict over the V' most frequent tokens (0: all)")
     t.add_argument("--context", action="store_true", help="with --draft_vocab and a shared lm_head: also predict "
                    "the tokens outside the vocab that the context holds so far, as decoding drafts them")

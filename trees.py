@@ -81,6 +81,38 @@ def load_tree(name_or_path: str) -> list:
     return paths
 
 
+def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
+    """Medusa's tree search (it simulated head accuracies for vicuna-7b to get mc_sim_7b_63), on
+    measured ranks instead. ranks: [P, K] long, at P roots the rank of the true token in head k's
+    draft, given the true tokens before it as an accepted path has them (< 0 or >= top: a miss).
+    A node, an index path, is accepted at a root iff the root's ranks start with it, so a tree's
+    expected tau is 1 + the sum over its nodes of the fraction of roots that start so (tree_tau):
+    the `size` most frequent prefixes maximise it, and are a tree (a prefix is at least as
+    frequent as its extensions; ties go to the shorter). Returns index paths."""
+    counts = {}
+    for row in ranks.tolist():
+        path = ()
+        for r in row:
+            if r < 0 or r >= top:
+                break
+            path += (r,)
+            counts[path] = counts.get(path, 0) + 1
+    return [list(p) for p in sorted(counts, key=lambda p: (-counts[p], len(p), p))[:size]]
+
+
+def tree_tau(ranks: Tensor, paths: list) -> float:
+    """Expected tokens a step (counting the bonus token) of a static tree at roots whose heads
+    rank the true tokens so (ranks as in fit_tree): 1 + the mean accepted depth."""
+    nodes = {tuple(p) for p in paths}
+    total = 0
+    for row in ranks.tolist():
+        d = 0
+        while d < len(row) and tuple(row[:d + 1]) in nodes:
+            d += 1
+        total += d
+    return 1 + total / max(1, ranks.shape[0])
+
+
 def tree_buffers(paths: list, topk: Optional[int] = None) -> Tree:
     """Static tree buffers from Medusa-style index paths (built once, Python is fine).
     retrieve_indices has one row per leaf, leaves in node order."""

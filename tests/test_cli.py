@@ -104,6 +104,7 @@ def test_paris(run_cli):
     (["--spec_bench", 1, "--heads", "ngram", "--questions", "no-such-file.jsonl"], "give --questions"),
     (["--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
     (["--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
+    (["--ties"], "give --spec_bench N"),
 ])
 def test_bench_bad_input_is_one_clear_error_line(args, says):
     if "cuda" in args and torch.cuda.is_available():
@@ -112,3 +113,26 @@ def test_bench_bad_input_is_one_clear_error_line(args, says):
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and says in r.stderr, r.stderr
+
+
+def test_near_tie():
+    """bench.py --ties: where two outputs first differ, the fp32 logits of their two tokens after the
+    common prefix, the run dtype's spacing at their size, and which is the fp32 argmax."""
+    import math
+
+    import bench
+    from model import ModelArgs, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=300, intermediate_size=128,
+                                  max_seq_len=64))
+    model.setup_caches(1, 64)
+    ids, common = [5, 6, 7], [8, 9]
+    with torch.inference_mode():
+        z = model(torch.tensor([ids + common]), torch.arange(5))[0, -1]
+    first, second, third = z.topk(3).indices.tolist()
+    i, gap, ulp, top = bench.near_tie(model, ids, common + [first, 1], common + [second, 2], torch.bfloat16)
+    assert (i, top) == (2, "spec") and gap == pytest.approx(float(z[first] - z[second])) and gap >= 0
+    assert ulp == 2.0 ** (math.floor(math.log2(max(abs(float(z[first])), abs(float(z[second]))))) - 7)
+    assert bench.near_tie(model, ids, common + [second], common + [first], torch.bfloat16)[3] == "ar"
+    assert bench.near_tie(model, ids, common + [second], common + [third], torch.bfloat16)[3] == "other"
+    assert bench.near_tie(model, ids, common, common + [first], torch.bfloat16) is None

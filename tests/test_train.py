@@ -141,6 +141,34 @@ def test_data_from_prompts_file(tiny, tmp_path, capsys):
         assert not (tmp_path / "x.npz").exists()
 
 
+def test_data_with_openers(tiny, tmp_path, capsys):
+    """--openers: every invented user turn starts with one of the file's lines; the answers are greedy."""
+    model, tok = load_model(str(tiny))
+    openers = ["Name a", "Write a poem about"]
+    path = tmp_path / "openers.txt"
+    path.write_text("# a comment\n" + "\n\n".join(openers) + "\n")
+    out = tmp_path / "open.npz"
+    train.main(["data", "--checkpoint", str(tiny), "--openers", str(path), "--out", str(out), "--tokens", "300", *DATA])
+    seqs, plens, sources, meta = train.read_data(out)
+    assert meta["prompts"] == f"invented, openers {path}" and (sources == -1).all()
+    starts = set()
+    for s, p in zip(seqs, plens):
+        text = tok.decode(s[:p].tolist())
+        user = text.split("<|im_start|>user\n", 1)[1]
+        starts |= {o for o in openers if user.startswith(o)}
+        assert any(user.startswith(o) for o in openers), text
+        assert s[p:].tolist() == greedy(model, s[:p].tolist(), 48, tok.eos_id)
+    assert starts == set(openers)
+
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    for argv, msg in [(["--openers", str(tmp_path / "empty.txt")], "holds no line"),
+                      (["--openers", str(tmp_path / "none.txt")], "cannot read --openers"),
+                      (["--openers", str(path), "--prompts", str(path)], "leave out --prompts")]:
+        with pytest.raises(SystemExit):
+            train.main(["data", "--checkpoint", str(tiny), "--out", str(tmp_path / "x.npz"), *argv])
+        assert msg in capsys.readouterr().err
+
+
 def train_args(tiny, dataset, out, kind, *extra):
     return ["train", "--head", kind, "--checkpoint", str(tiny), "--data", str(dataset), "--out", str(out),
             "--batch_size", "4", "--warmup", "3", "--save_every", "0", "--lr", "3e-3", *extra]
@@ -200,6 +228,12 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     if kind == "eagle":
         speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, dynamic=(3, 3, 8))
     assert max(taus) > 1.5, taus  # trained heads do get drafts accepted on the model's own text
+    # the static tree fit to the held-out ranks: the best of its size there, so no worse than
+    # mc_sim_7b_63 (63 nodes too), and it drafts for decoding like any tree
+    fit = saved["tree"]
+    assert fit["size"] == len(json.loads((out / "tree.json").read_text())) > 0
+    assert fit["heldout_tau"] >= fit["heldout_tau_mc_sim_7b_63"] > 1, fit
+    speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, tree=str(out / "tree.json"))
 
 
 def test_unrolled_steps_are_the_draft(tiny):

@@ -1,3 +1,4 @@
+import itertools
 import json
 import math
 import os
@@ -201,6 +202,59 @@ def test_medusa_draft_tokens():
     t = T.tree_buffers([[0], [1], [0, 0], [0, 1], [1, 0]], topk=3)
     topk = torch.tensor([[10, 11, 12], [20, 21, 22]])
     assert T.medusa_draft_tokens(torch.tensor(5), topk, t.tree_indices).tolist() == [5, 10, 11, 20, 21, 20]
+
+
+@st.composite
+def measured_ranks(draw, top=3):
+    """fit_tree's input: [P, K] ranks of the true tokens, few distinct so that paths repeat;
+    -1 (no target) and >= top (not drafted) are misses."""
+    K, P = draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    return torch.tensor([[draw(st.sampled_from([0, 0, 0, 1, 2, -1, top + 2])) for _ in range(K)] for _ in range(P)])
+
+
+@FAST
+@given(measured_ranks(), st.integers(1, 12))
+def test_tree_tau_is_what_greedy_acceptance_gives(ranks, size):
+    """At each root, heads whose top-3 lists hold the true token at the measured rank, drafted into
+    the fitted tree and verified by greedy_accept, accept tree_tau on average."""
+    top, (P, K) = 3, ranks.shape
+    paths = T.fit_tree(ranks, size, top)
+    if not paths:  # nothing was ever drafted right
+        assert T.tree_tau(ranks, paths) == 1 and bool(((ranks < 0) | (ranks >= top))[:, 0].all())
+        return
+    tree = T.tree_buffers(paths, topk=top)
+    true = torch.arange(100, 100 + K)                                  # the tokens the base will emit
+    accepted = 0
+    for row in ranks.tolist():
+        lists = torch.arange(K * top).reshape(K, top) + 200            # wrong guesses
+        for k, r in enumerate(row):
+            if 0 <= r < top:
+                lists[k, r] = true[k]
+        draft = T.medusa_draft_tokens(torch.tensor(1), lists, tree.tree_indices)
+        # the base's next token after each node: the true one while the path so far is right
+        target = []
+        for i in range(tree.num_nodes):
+            d = int(tree.positions[i])
+            on_path = all(draft[j] == true[tree.positions[j] - 1] for j in torch.nonzero(tree.tree_mask[i]).flatten().tolist() if j)
+            target.append(int(true[d]) if on_path and d < K else 0)
+        logits = torch.nn.functional.one_hot(torch.tensor(target), 300).float()
+        accepted += int(T.greedy_accept(logits, draft, tree.retrieve_indices)[0])
+    assert T.tree_tau(ranks, paths) == pytest.approx(1 + accepted / P)
+
+
+@FAST
+@given(measured_ranks(), st.integers(1, 5))
+def test_fit_tree_is_the_best_tree_of_its_size(ranks, size):
+    top, K = 3, ranks.shape[1]
+    paths = T.fit_tree(ranks, size, top)
+    assert len(paths) <= size and len({tuple(p) for p in paths}) == len(paths)
+    assert all(p[:-1] in paths for p in paths if len(p) > 1)          # a tree: every parent is in it
+    # against every tree of at most `size` nodes with choices < top, at most K deep
+    nodes = [p for d in range(1, K + 1) for p in itertools.product(range(top), repeat=d)]
+    best = max(T.tree_tau(ranks, [list(p) for p in sub])
+               for n in range(size + 1) for sub in itertools.combinations(nodes, n)
+               if all(p[:-1] in sub for p in sub if len(p) > 1))
+    assert T.tree_tau(ranks, paths) == pytest.approx(best)
 
 
 # ------------------------------------------------------------------ dynamic trees
