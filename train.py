@@ -826,10 +826,12 @@ def train(args):
         if not ckpt_path.exists():
             raise ValueError(f"--resume: no checkpoint {ckpt_path}")
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-        differ = [k for k in RESUME_KEYS if ckpt["args"].get(k) != vars(args).get(k)]
+        # a switch added after the checkpoint was made was off then
+        made = {k: ckpt["args"].get(k, False if isinstance(vars(args).get(k), bool) else None) for k in RESUME_KEYS}
+        differ = [k for k in RESUME_KEYS if made[k] != vars(args).get(k)]
         if differ:
             raise ValueError(f"--resume: {ckpt_path} was made with other settings ("
-                             + ", ".join(f"--{k} {ckpt['args'].get(k)}" for k in differ) + "): use those")
+                             + ", ".join(f"--{k} {made[k]}" for k in differ) + "): use those")
         head.load_state_dict(ckpt["head"])
         opt.load_state_dict(ckpt["opt"])
         torch.set_rng_state(ckpt["rng"])

@@ -272,6 +272,10 @@ def test_resume_continues_exactly(tiny, dataset, tmp_path, capsys):
     train.main(train_args(tiny, dataset, split, "eagle", "--steps", "12", "--stop_after", "5"))
     assert "--resume" in capsys.readouterr().err
     assert torch.load(split / "ckpt.pt", weights_only=True)["step"] == 5
+    # a checkpoint from before a switch existed (--context here) resumes as if it were off
+    ckpt = torch.load(split / "ckpt.pt", weights_only=True)
+    del ckpt["args"]["context"]
+    torch.save(ckpt, split / "ckpt.pt")
     record = train.main(train_args(tiny, dataset, split, "eagle", "--steps", "12", "--resume"))
     assert record["steps"] == 12 and len(record["losses"]) == 12
     a = torch.load(full / "ckpt.pt", weights_only=True)["head"]
