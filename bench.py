@@ -10,7 +10,8 @@ Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) a
 
 --spec_bench N measures tau on the first N questions of each Spec-Bench category; with --speed it also
 decodes each question autoregressively (compiled; CUDA graphs on a GPU) and reports both speeds and
-whether the outputs are the same.
+whether the outputs are the same; with --ties also how close to a tie (in an fp32 forward) the two
+tokens were where the outputs first differ.
 """
 import argparse
 import math
@@ -65,7 +66,7 @@ def near_tie(ref, ids, spec_out, ar_out, dtype):
     """Where a speculative and an autoregressive output first differ: the two tokens' logits from
     `ref` (an fp32 copy of the base) over the common prefix. Returns (position, fp32 logit of the
     speculative token minus the autoregressive one's, the run dtype's spacing at their size, which
-    of the two is the fp32 argmax: 'spec', 'ar' or 'other'), or None if neither output differs."""
+    of the two is the fp32 argmax: 'spec', 'ar' or 'other'), or None if one is a prefix of the other."""
     i = next((j for j, (x, y) in enumerate(zip(spec_out, ar_out)) if x != y), None)
     if i is None:
         return None
