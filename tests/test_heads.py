@@ -277,7 +277,7 @@ def test_shipped_heads_decode_exactly_and_get_drafts_accepted(default_model, nam
     head = H.load_heads(HEADS_DIR / name, model)
     assert len(head.d2t) == 8192
     tau = speculative_tau(model, tok, head, "tree16", "Explain why the sky is blue, in three sentences.", n=64)
-    assert tau > 1.2, tau  # measured: Medusa 1.40, Hydra 1.54, EAGLE 1.75 (the shipped heads after their --context stage)
+    assert tau > 1.2, tau  # measured: Medusa 1.40, Hydra 1.54 (after their --context stage), EAGLE 2.03 (after its stage on the steered-prompt data)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -292,4 +292,4 @@ def test_shipped_heads_draft_the_prompts_rare_words(default_model, name):
     drafted = []
     speculative_equals_autoregressive(model, head, prompt, 40, drafted, tree="tree16")
     assert head.ctx_n.item() > 0
-    assert sum((~torch.isin(t[1:], head.d2t)).sum().item() for t in drafted) > 0  # measured: EAGLE 6, Hydra 11, Medusa 22 (after the --context stage)
+    assert sum((~torch.isin(t[1:], head.d2t)).sum().item() for t in drafted) > 0  # measured: EAGLE 10, Hydra 11, Medusa 22 (shipped heads, 2026-12-01)
