@@ -774,6 +774,8 @@ def train(args):
     device = check_device(args.device)
     if args.unroll < 1 or args.unroll > 1 and args.head != "eagle":
         raise ValueError(f"--unroll {args.unroll}: give EAGLE 1 or more draft steps to train (other heads: leave it out)")
+    if args.tree_size < 1:
+        raise ValueError(f"--tree_size {args.tree_size}: the fitted tree needs at least 1 node")
     if args.context and (not args.draft_vocab or args.head != "eagle" and not args.shared_lm_head):
         raise ValueError("--context needs --draft_vocab and a head that shares the base lm_head "
                          "(EAGLE, or --shared_lm_head): only those draft the context's tokens")
@@ -911,8 +913,10 @@ def train(args):
             "heldout_tau_mc_sim_7b_63": round(tree_tau(ranks, MEDUSA_TREES["mc_sim_7b_63"]), 3)}
 
     save_heads(head, out, base_model=base_name, dtype=getattr(torch, args.save_dtype))
-    if paths:  # none when no head ever drafted a held-out token right
+    if paths:
         (out / "tree.json").write_text(json.dumps(paths))
+    else:  # no head ever drafted a held-out token right: no tree, and none left from an earlier run
+        (out / "tree.json").unlink(missing_ok=True)
     n_curve = min(20, len(losses))
     chunk = len(losses) / max(1, n_curve)
     record = {

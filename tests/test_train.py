@@ -236,6 +236,12 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, tree=str(out / "tree.json"))
 
 
+def test_tree_size_is_checked(tiny, dataset, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, tmp_path / "x", "medusa", "--steps", "1", "--tree_size", "0"))
+    assert "--tree_size 0: the fitted tree needs at least 1 node" in capsys.readouterr().err
+
+
 def test_unrolled_steps_are_the_draft(tiny):
     """--unroll's step j at row t is what decoding drafts at depth j+1 from root t: the same rows,
     positions and attention, run here through the head's own KV cache as heads.py runs it."""
