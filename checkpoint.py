@@ -7,6 +7,8 @@ model_args.json (ModelArgs) and the tokenizer (tokenizer.json or tokenizer.model
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -224,15 +226,15 @@ def convert_gguf(path: Path) -> Path:
         state[o + "ffn_norm.weight"] = get(b + "ffn_norm.weight")
     tok, tok_cfg = gguf_tokenizer(fields)
 
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own: two first runs at once (two data jobs) must not write one file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     save_file(state, tmp / "model.safetensors")
     tok.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     (tmp / "model_args.json").write_text(json.dumps(args.to_dict(), indent=1))
-    if out.exists():  # a concurrent conversion won the race
-        import shutil
-        shutil.rmtree(tmp)
-    else:
+    try:
         tmp.rename(out)
+    except OSError:  # a concurrent conversion won the race: its folder holds the same files
+        shutil.rmtree(tmp)
     return out

@@ -182,6 +182,31 @@ def test_gguf_converts_once_into_the_cache_and_matches_transformers(tmp_path, mo
     assert (logits(model2, ids) - expected).abs().max().item() < 1e-3
 
 
+def test_two_first_runs_converting_at_once_both_load(tmp_path, monkeypatch):
+    # Two data jobs started together on a fresh machine both convert the default GGUF: the one that
+    # finishes second must neither write into the other's folder nor fail.
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
+    hf = build_hf_model("llama", seed=5, vocab_size=262, num_key_value_heads=2)
+    gguf_path = write_tiny_gguf(hf, tmp_path / "tiny.gguf", tie=False)
+    real_save, calls = checkpoint.save_file, []
+
+    def save_while_another_run_converts(state, file):
+        calls.append(file)
+        if len(calls) == 1:  # the other run, start to end, while this one is writing
+            assert (checkpoint.convert_gguf(gguf_path) / "model_args.json").exists()
+        real_save(state, file)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_while_another_run_converts)
+    out = checkpoint.convert_gguf(gguf_path)
+    assert len(calls) == 2 and calls[0].parent != calls[1].parent
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]  # no temporary folder left
+    model, _ = load_model(gguf_path)
+    ids = torch.randint(0, 262, (20,))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    assert (logits(model, ids) - expected).abs().max().item() < 1e-3
+
+
 def test_gguf_with_llama3_rope_factors_matches_transformers_or_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
     hf = build_hf_model("llama", seed=6, vocab_size=262, max_position_embeddings=256, rope_theta=50000.0,
