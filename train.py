@@ -110,6 +110,7 @@ def read_jsonl(path, what: str):
 
 def read_prompts(path) -> list:
     """A JSONL file: {"turns": [first user turn, ...]} (Spec-Bench / MT-bench; turns[0] is used),
+    {"conversations": [{"from": "human", "value": ...}, ...]} (ShareGPT; its first human turn),
     {"prompt": "..."} or a bare JSON string a line."""
     prompts = []
     for i, obj in read_jsonl(path, "prompts"):
@@ -119,8 +120,12 @@ def read_prompts(path) -> list:
             prompts.append(str(obj["turns"][0]))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and (human := [t.get("value") for t in obj.get("conversations") or []
+                                                  if isinstance(t, dict) and t.get("from") == "human"]):
+            prompts.append(str(human[0]))
         else:
-            raise ValueError(f'{path}:{i}: want {{"turns": ["..."]}} or {{"prompt": "..."}} a line')
+            raise ValueError(f'{path}:{i}: want {{"turns": ["..."]}}, {{"prompt": "..."}} or a ShareGPT record '
+                             '({"conversations": [{"from": "human", "value": "..."}]}) a line')
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

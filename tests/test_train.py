@@ -119,15 +119,18 @@ def test_data_file(tiny, dataset, tmp_path, capsys):
 
 def test_data_from_prompts_file(tiny, tmp_path, capsys):
     _, tok = load_model(str(tiny))
-    texts = ["Name a river.", "What is two plus two?", "Write a haiku about rain."]
+    texts = ["Name a river.", "What is two plus two?", "Write a haiku about rain.", "Spell cat."]
+    sharegpt = {"id": "a1", "conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": texts[3]},
+                                              {"from": "gpt", "value": "C-A-T."}, {"from": "human", "value": "no"}]}
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"question_id": 1, "turns": [texts[0], "and another?"]}) + "\n"
-                    + json.dumps({"prompt": texts[1]}) + "\n\n" + json.dumps(texts[2]) + "\n")
+                    + json.dumps({"prompt": texts[1]}) + "\n\n" + json.dumps(texts[2]) + "\n"
+                    + json.dumps(sharegpt) + "\n")
     out = tmp_path / "mine.npz"
     train.main(["data", "--checkpoint", str(tiny), "--prompts", str(path), "--out", str(out), *DATA])
     assert "ran out of prompts" in capsys.readouterr().err
     seqs, plens, sources, meta = train.read_data(out)
-    assert sources.tolist() == [0, 1, 2] and meta["prompts"] == str(path)
+    assert sources.tolist() == [0, 1, 2, 3] and meta["prompts"] == str(path)
     for s, p, text in zip(seqs, plens, texts):
         assert s[:p].tolist() == tok.encode(tok.chat([{"role": "user", "content": text}]), bos=False)
 
