@@ -62,6 +62,17 @@ def hf(dtype, device, prompt, n):
     return measure
 
 
+def profile_table(fn, cuda: bool = False, rows: int = 30) -> str:
+    """torch.profiler over one call of fn: the ops by self time, split by input shapes (which linear,
+    which attention), as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows)
+
+
 def near_tie(ref, ids, spec_out, ar_out, dtype):
     """Where a speculative and an autoregressive output first differ: the two tokens' logits from
     `ref` (an fp32 copy of the base) over the common prefix. Returns (position, fp32 logit of the
@@ -152,6 +163,8 @@ def main():
                    "autoregressively; time both and compare their outputs")
     p.add_argument("--ties", action="store_true", help="with --spec_bench (implies --speed): where an output "
                    "differs from the autoregressive one, compare the two tokens' logits in an fp32 forward")
+    p.add_argument("--profile", default=None, metavar="FILE", help="without --spec_bench: also profile each "
+                   "engine once (torch.profiler, ops by self time and input shapes) into FILE")
     args = p.parse_args()
     try:
         run(args)
@@ -165,6 +178,8 @@ def run(args):
     args.speed = args.speed or args.ties
     if args.ties and not args.spec_bench:
         raise ValueError("--ties judges Spec-Bench outputs: give --spec_bench N")
+    if args.profile and args.spec_bench:
+        raise ValueError("--profile profiles the story prompt's speed run: drop --spec_bench")
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):
@@ -252,6 +267,11 @@ def run(args):
     for name, rate, tau, ratio in rows:
         print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {ratio:.2f}x |")
     print("command: python " + " ".join(sys.argv))
+    if args.profile:  # after the timed rounds, so that the profiler's overhead stays out of them
+        with open(args.profile, "w") as f:
+            for name, measure in engines.items():
+                f.write(f"{name}, one measurement ({n} + 1 tokens)\n{profile_table(measure, device.startswith('cuda'))}\n")
+        print(f"profiles of each engine's compiled step: {args.profile}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def test_paris(run_cli):
     (["--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
     (["--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
     (["--ties"], "give --spec_bench N"),
+    (["--profile", "p.txt", "--spec_bench", 1, "--heads", "ngram"], "drop --spec_bench"),
 ])
 def test_bench_bad_input_is_one_clear_error_line(args, says):
     if "cuda" in args and torch.cuda.is_available():
@@ -113,6 +114,15 @@ def test_bench_bad_input_is_one_clear_error_line(args, says):
                        timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and says in r.stderr, r.stderr
+
+
+def test_profile_table_names_each_op_with_its_shapes():
+    import bench
+    lin = torch.nn.Linear(8, 24)
+    x = torch.randn(4, 8)
+    table = bench.profile_table(lambda: lin(x))
+    assert "aten::addmm" in table or "aten::linear" in table
+    assert "[4, 8]" in table and "[24, 8]" in table  # group_by_input_shape: which linear it was
 
 
 def test_near_tie():
