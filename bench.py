@@ -4,7 +4,7 @@ Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) a
 --runs runs, and every figure as a ratio to our eager decoding.
 
     python bench.py --dtype bfloat16                          # base engine vs transformers
-    python bench.py --dtype bfloat16 --heads DIR --tree tree16 --skip_hf
+    python bench.py --dtype bfloat16 --heads DIR --tree tree16 --skip_hf [--profile prof.txt]   # + where the time goes
     python bench.py --heads DIR --dynamic_tree 10,6,60 --spec_bench 5 --max_new_tokens 256 --compile   # tau
     python bench.py --device cuda --heads DIR --tree mc_sim_7b_63 --spec_bench 5 --max_new_tokens 256 --speed
 
@@ -271,7 +271,7 @@ def run(args):
         with open(args.profile, "w") as f:
             for name, measure in engines.items():
                 f.write(f"{name}, one measurement ({n} + 1 tokens)\n{profile_table(measure, device.startswith('cuda'))}\n")
-        print(f"profiles of each engine's compiled step: {args.profile}")
+        print(f"profile of each engine: {args.profile}")
 
 
 if __name__ == "__main__":
