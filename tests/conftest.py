@@ -1,5 +1,6 @@
-"""Shared fixtures: the default model (loaded once, fp32), tiny random Hugging Face folders,
-the transformers reference tokenizer for the default GGUF, and a runner for generate.py."""
+"""Shared fixtures: the default model (loaded once, fp32), tiny random Hugging Face folders, a tiny
+random base model in our layout and the data it wrote itself (for test_distill and test_train), the
+transformers reference tokenizer for the default GGUF, and a runner for generate.py."""
 import json
 import os
 import subprocess
@@ -8,12 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
+import distill  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 TINY_VOCAB = 260  # 256 byte tokens, <|endoftext|>, and a few unused ids
 
@@ -90,6 +94,49 @@ def tiny_ctx64_folder(tmp_path_factory):
     """A tiny random Llama HF folder with a 64-token context, for fast CLI runs."""
     model = build_hf_model("llama", seed=1, max_position_embeddings=64)
     return write_hf_folder(model, tmp_path_factory.mktemp("hf-ctx64"))
+
+
+# test_distill and test_train: a tiny base model in our layout (`tiny`), and the text it wrote (`dataset`,
+# made with the small `distill.py generate` settings DATA)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DATA = ["--batch_size", "8", "--max_new_tokens", "48", "--max_user_tokens", "24", "--max_prompt_tokens", "128"]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random base model in our layout, with a byte tokenizer and a ChatML-like template that ends
+    a turn with <|endoftext|> (the eos)."""
+    folder = tmp_path_factory.mktemp("tiny-base")
+    args = ModelArgs(dim=64, n_layer=2, n_head=4, n_kv_head=2, vocab_size=TINY_VOCAB, intermediate_size=128,
+                     max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+        model.tok_embeddings.weight.mul_(4)  # (tied lm_head) peaked next-token distributions, like a real model's
+    save_file({k: v for k, v in model.state_dict().items() if k != "output.weight"}, folder / "model.safetensors")
+    (folder / "model_args.json").write_text(json.dumps(args.to_dict()))
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def dataset(tiny, tmp_path_factory):
+    """Made by `distill.py generate` itself: the model invents its prompts and answers them greedily.
+    On one thread, as test_distill and test_train run (their one_thread): this fixture, session-wide,
+    is made before their module-wide one_thread applies."""
+    path = tmp_path_factory.mktemp("data") / "selfdistill.npz"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        distill.main(["generate", "--checkpoint", str(tiny), "--out", str(path), "--tokens", "1500", *DATA])
+    finally:
+        torch.set_num_threads(n)
+    return path
 
 
 @pytest.fixture(scope="session")
