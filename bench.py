@@ -7,13 +7,18 @@ Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) a
     python bench.py --dtype bfloat16 --heads DIR --tree tree16 --skip_hf [--profile prof.txt]   # + where the time goes
     python bench.py --heads DIR --dynamic_tree 10,6,60 --spec_bench 5 --max_new_tokens 256 --compile   # tau
     python bench.py --device cuda --heads DIR --tree mc_sim_7b_63 --spec_bench 5 --max_new_tokens 256 --speed
+    python bench.py --rows --heads DIR                        # the cost of N tree rows and of each draft level
 
 --spec_bench N measures tau on the first N questions of each Spec-Bench category; with --speed it also
 decodes each question autoregressively (compiled; CUDA graphs on a GPU) and reports both speeds and
 whether the outputs are the same; with --ties also how close to a tie (in an fp32 forward) the two
-tokens were where the outputs first differ.
+tokens were where the outputs first differ. Several --tree names (speed run) time each tree against
+the same autoregressive engine. --json FILE writes the results with the date, the machine and the
+command; `python plots.py FILE...` draws them into docs/img/.
 """
 import argparse
+import datetime
+import json
 import math
 import statistics
 import sys
@@ -28,6 +33,16 @@ from heads import load_heads
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"  # evaluation only
 PROMPT = "Write a short story about a robot who learns to paint. Make it about three paragraphs long."
+
+
+def write_json(path, kind: str, args, **results):
+    """bench.py's results for plots.py: what was run, where, when, and the numbers."""
+    record = dict(kind=kind, date=datetime.date.today().isoformat(), machine=G.machine(args.device),
+                  threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype,
+                  max_new_tokens=args.max_new_tokens, heads=args.heads, lookup=args.lookup,
+                  command="python " + " ".join(sys.argv), **results)
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"results: {path}")
 
 
 def once(fn):
@@ -151,7 +166,7 @@ def main():
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--skip_eager", action="store_true")
     p.add_argument("--heads", default=None)
-    p.add_argument("--tree", default="tree16")
+    p.add_argument("--tree", nargs="+", default=["tree16"], help="static tree(s); a speed run times each")
     p.add_argument("--lookup", type=int, default=0, help="add a prompt-lookup branch (N-gram) to the head's tree")
     p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens")
     p.add_argument("--spec_bench", type=int, default=0, metavar="N",
@@ -163,6 +178,9 @@ def main():
                    "autoregressively; time both and compare their outputs")
     p.add_argument("--ties", action="store_true", help="with --spec_bench (implies --speed): where an output "
                    "differs from the autoregressive one, compare the two tokens' logits in an fp32 forward")
+    p.add_argument("--rows", action="store_true", help="instead: the cost of a compiled base forward over "
+                   "N = 1..64 tree rows on a 512-token prefix (ratios to N = 1), and of --heads' draft levels")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (for plots.py)")
     p.add_argument("--profile", default=None, metavar="FILE", help="without --spec_bench: also profile each "
                    "engine once (torch.profiler, ops by self time and input shapes) into FILE")
     args = p.parse_args()
@@ -180,6 +198,10 @@ def run(args):
         raise ValueError("--ties judges Spec-Bench outputs: give --spec_bench N")
     if args.profile and args.spec_bench:
         raise ValueError("--profile profiles the story prompt's speed run: drop --spec_bench")
+    if args.rows and (args.spec_bench or args.profile):
+        raise ValueError("--rows is a benchmark of its own: drop --spec_bench and --profile")
+    if len(args.tree) > 1 and (args.spec_bench or args.dynamic_tree):
+        raise ValueError("several --tree values are for the speed run: give one tree with --spec_bench or --dynamic_tree")
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):
@@ -191,14 +213,44 @@ def run(args):
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])), device=device)
     n = args.max_new_tokens
     head = load_heads(args.heads, model, None, args.lookup).to(device) if args.heads else None
-    draft = accept = None
-    depth, nodes, scratch = 0, 1, 0
+    # one speculator per tree: (name, draft, accept, depth, nodes, scratch)
+    specs, predicted = [], None
     if head is not None:
         dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, args.tree, dyn)
-    spec = lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
+        for tree in [args.dynamic_tree] if dyn else args.tree:
+            paths = tree
+            if tree == "auto":  # what generate.py's --tree auto picks for a compiled step here
+                paths = G.resolve_tree(model, head, args.heads, "auto", device, args.compile_mode or "default",
+                                       args.checkpoint)
+                predicted = G.resolve_tree.choice
+                if paths is None and args.spec_bench:
+                    raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
+                if paths is None:
+                    continue  # plain decoding: the compiled AR engine is already in the table
+            specs.append((tree, *G.speculator(model, head, paths, dyn)))
+    _, draft, accept, depth, _, _ = specs[0] if specs else (None, None, None, 0, 1, 0)
+    nodes, scratch = max([s[4] for s in specs], default=1), max([s[5] for s in specs], default=0)
+    spec_of = lambda draft, accept: lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
+    spec = spec_of(draft, accept)
     ar = lambda t, pos: G.ar_step(model, t, pos)
     compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
+    if args.rows:
+        verify, draft = G.step_costs(model, head, compiled)
+        where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
+        print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where}, "
+              "median of 20 calls taken in turns")
+        print("| rows | ms | vs 1 row |\n|---|---|---|")
+        for N, t in verify.items():
+            print(f"| {N} | {t * 1e3:.2f} | {t / verify[1]:.2f}x |")
+        if draft:
+            print(f"\n{args.heads}{' + lookup' if args.lookup else ''}: compiled draft of a chain, one node a level")
+            print("| depth | ms | ms for the last level |\n|---|---|---|")
+            for d, t in draft.items():
+                print(f"| {d} | {t * 1e3:.2f} | {(t - draft.get(d - 1, 0.0)) * 1e3:.2f} |")
+        print("command: python " + " ".join(sys.argv))
+        if args.json:
+            write_json(args.json, "rows", args, verify_s=verify, draft_s=draft)
+        return
     if args.spec_bench:
         t0 = time.perf_counter()
         # one cache for every question (what a question leaves in it past its own length is masked),
@@ -212,7 +264,7 @@ def run(args):
             ref.setup_caches(1, args.max_prompt + n + 1)
         res = spec_bench(model, tok, head, spec, ar, depth, args.questions, args.spec_bench, n, args.max_prompt,
                          args.speed, ref)
-        name = f"{args.heads}{' + lookup' if args.lookup else ''} {args.dynamic_tree or args.tree}"
+        name = f"{args.heads}{' + lookup' if args.lookup else ''} {specs[0][0]}"
         print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {device}")
         cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
         print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
@@ -223,6 +275,13 @@ def run(args):
                 ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
                 row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
             print(row)
+            r["tau"] = r["tokens"] / max(r["steps"], 1)
+            if args.speed:
+                r["speedup"] = r["tokens"] / r["t_spec"] / (r["tokens_ar"] / r["t_ar"])
+        if args.json:
+            write_json(args.json, "spec_bench", args, tree=specs[0][0], nodes=nodes, questions_per_category=args.spec_bench,
+                       speed=args.speed, categories={c: {k: v for k, v in r.items() if k != "ties"}
+                                                      for c, r in [*res.items(), ("all", total)]})
         if ref is not None:
             ties = [(cat, *t) for cat, r in res.items() for t in r["ties"] if t is not None]
             print(f"\nwhere the {len(ties)} differing outputs first differ, an fp32 forward over the common prefix:")
@@ -242,10 +301,12 @@ def run(args):
         engines["ours, eager"] = lambda: ours(model, None, ar, prompt, 0, n)
     ar_compiled = compiled(ar)
     engines["ours, compiled"] = lambda: ours(model, None, ar_compiled, prompt, 0, n)
-    if head is not None:
-        spec = compiled(spec)
-        engines[f"ours, compiled, {type(head).__name__} {args.dynamic_tree or args.tree}"] = \
-            lambda: ours(model, head, spec, prompt, depth, n)
+    tree_of = {}  # engine name -> (tree, nodes)
+    for tree, draft, accept, depth, nodes, _ in specs:
+        name = f"ours, compiled, {type(head).__name__} {tree}"
+        engines[name] = (lambda step, d: lambda: ours(model, head, step, prompt, d, n))(
+            compiled(spec_of(draft, accept)), depth)
+        tree_of[name] = (tree, nodes)
     if not args.skip_hf:
         engines["transformers generate"] = hf(dtype, device, prompt, n)
     for measure in engines.values():  # warm up, compile
@@ -256,17 +317,29 @@ def run(args):
     for _ in range(args.runs):
         for name, measure in engines.items():
             results[name].append(measure())
-    first = next(iter(results.values()))
-    rows = [(name, statistics.median(r for r, _ in res), res[-1][1],
-             statistics.median(r / f for (r, _), (f, _) in zip(res, first))) for name, res in results.items()]
+    first, ar_c = next(iter(results.values())), results["ours, compiled"]
+    ratio = lambda res, to: statistics.median(r / f for (r, _), (f, _) in zip(res, to))
+    rows = [(name, statistics.median(r for r, _ in res), res[-1][1], ratio(res, first), ratio(res, ar_c))
+            for name, res in results.items()]
     threads = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
     print(f"\n{args.dtype}, {n} new tokens, prompt {len(prompt)} tokens, median of {args.runs} interleaved runs, "
           f"{threads}")
     print(f"| engine | tok/s | ms/token | tau | vs {rows[0][0]} |")
     print("|---|---|---|---|---|")
-    for name, rate, tau, ratio in rows:
-        print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {ratio:.2f}x |")
+    for name, rate, tau, vs_first, _ in rows:
+        print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {vs_first:.2f}x |")
+    if predicted is not None:
+        got = next((r for r in rows if tree_of.get(r[0], (None,))[0] == "auto"), None)
+        print(f"--tree auto predicted {predicted['speedup']:.2f}x over compiled AR at expected tau "
+              f"{predicted['tau']:.2f}; measured " + (f"{got[4]:.2f}x at tau {got[2]:.2f}" if got else
+              "1.00x (it chose plain decoding)"))
     print("command: python " + " ".join(sys.argv))
+    if args.json:
+        write_json(args.json, "speed", args, prompt_tokens=len(prompt), runs=args.runs,
+                   auto_predicted=predicted and {k: v for k, v in predicted.items() if k != "candidates"}, engines=[
+            dict(name=name, tree=tree_of.get(name, (None,))[0], nodes=tree_of.get(name, (None, 1))[1],
+                 tok_s=rate, tau=tau, vs_first=vs_first, vs_compiled_ar=vs_ar)
+            for name, rate, tau, vs_first, vs_ar in rows])
     if args.profile:  # after the timed rounds, so that the profiler's overhead stays out of them
         with open(args.profile, "w") as f:
             for name, measure in engines.items():

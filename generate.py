@@ -7,14 +7,21 @@
 """
 import argparse
 import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from checkpoint import load_model
-from heads import WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
-from trees import emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
+from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
+from trees import choose_tree, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
 
 
 def sample_token(logits, temperature: float, top_k: int, top_p: float):
@@ -91,7 +98,7 @@ def decode(step, state, first_token: int, max_new_tokens: int, eos_id=None, on_t
 def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", temperature=0.0, top_k=0,
                 top_p=1.0, posterior_threshold=0.09, posterior_alpha=0.3):
     """The draft and accept functions of a speculative step, fixed once.
-    tree: a tree name or JSON file (static); dynamic: (top_k, depth, total_tokens) for EAGLE-2 trees.
+    tree: a tree name, JSON file or list of index paths (static); dynamic: (top_k, depth, total_tokens) for EAGLE-2 trees.
     A WithLookup head adds its prompt-lookup chain (as deep as the tree) to either.
     Returns (draft, accept, depth, tree_nodes, head_scratch): the last two size the caches."""
     device = model.output.weight.device
@@ -105,7 +112,7 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
         nodes, scratch = total + (depth if lookup else 0), pool + 1
         draft = lambda h, t, n, P: draft_dynamic(head, model, h, t, n, P, k, depth, total)
     else:
-        plan = plan_to(static_plan(load_tree(tree), lookup), device)
+        plan = plan_to(static_plan(tree if isinstance(tree, list) else load_tree(tree), lookup), device)
         depth, nodes = plan.tree.depth, plan.tree.num_nodes
         scratch = nodes
         draft = lambda h, t, n, P: draft_static(head, model, plan, h, t, n, P)
@@ -122,6 +129,135 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
     else:
         raise ValueError(f"unknown acceptance '{acceptance}': use greedy, typical or sample")
     return draft, accept, depth, nodes, depth + 1 + scratch
+
+
+def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4), prefix=512, reps=20):
+    """What a speculative step is made of, on this machine: seconds of a compiled base forward
+    (the `compiled` one: pass `lambda f: f` for eager) over N tree rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context,
+    and of the head's compiled draft of a one-node-a-level chain of each depth (its levels one after
+    another). Medians of `reps` calls taken in turns, so that drifts hit every shape alike.
+    Returns ({N: s}, {depth: s})."""
+    dev = model.output.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+    prefix = min(prefix, model.args.max_seq_len // 2)  # (small test models)
+    rows = [N for N in rows if prefix + N + 2 * max(depths) + 2 <= model.args.max_seq_len]
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
+    max_depth = max(depths) if head is not None else 0
+    setup_caches(model, head, prefix + max(rows) + max_depth + 1, max(rows) + 2 * max_depth + 2)
+    P = torch.tensor(prefix, device=dev)
+
+    def verify_fn(N):
+        chain = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
+        slots = torch.arange(N, device=dev)
+        def verify(tokens, P):  # tokens [N]
+            mask = tree_attention_mask(chain, P, model.max_seq_len)
+            return model(tokens[None], P + slots, mask, cache_pos=P + slots)
+        return compiled(verify)
+    calls = {}
+    with torch.inference_mode():
+        model(ctx[None], torch.arange(prefix, device=dev))  # fill the prefix's cache slots
+        for N in rows:
+            f, tokens = verify_fn(N), ctx[:N].clone()
+            calls[("verify", N)] = lambda f=f, tokens=tokens: f(tokens, P)
+        if head is not None:
+            lookup = isinstance(head, WithLookup)
+            draft = compiled(lambda plan, h, t, n, P: draft_static(head, model, plan, h, t, n, P))
+            for d in depths:
+                plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
+                _, state = start(model, head, ctx, d, dict(temperature=0.0))
+                calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
+        for fn in tqdm(calls.values(), desc="timing the step's parts", unit="shape", file=sys.stderr):
+            fn(), fn()  # compile (and autotune) outside the timing
+        times = {k: [] for k in calls}
+        for _ in range(reps):
+            for k, fn in calls.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return ({N: med[("verify", N)] for N in rows},
+            {d: med[("draft", d)] for d in depths if ("draft", d) in med})
+
+def cached_costs(key: dict, measure, folder: Path):
+    """measure() -> (t_verify, t_draft), done once per key (machine, model, dtype, head, mode) and
+    kept in folder as JSON: a changed key (another machine, model, head...) measures again."""
+    name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(folder) / f"step-costs-{name}.json"
+    if path.is_file():
+        rec = json.loads(path.read_text())
+        if rec.get("key") == key:
+            return ({int(n): t for n, t in rec["t_verify"].items()}, {int(d): t for d, t in rec["t_draft"].items()})
+    t_verify, t_draft = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(key=key, t_verify=t_verify, t_draft=t_draft), indent=1))
+    tmp.replace(path)
+    return t_verify, t_draft
+
+
+def auto_tree(model, head, heads_dir, key: dict, compiled, folder=None) -> dict:
+    """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
+    here (trees.choose_tree), from the head's held-out acceptance (acceptance.json, written by
+    train.py) and this machine's measured step costs (cached under key). None: the head has no
+    acceptance.json (official checkpoints, the n-gram drafter)."""
+    path = Path(heads_dir) / "acceptance.json"
+    if not path.is_file():
+        return None
+    acc = json.loads(path.read_text())
+    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
+    depth = max((len(p) for p in acc["paths"]), default=1)
+    depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
+    folder = Path(folder or os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+    t_verify, t_draft = cached_costs({**key, "depths": depth}, lambda: step_costs(
+        model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=range(1, depth + 1)), folder)
+    return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=isinstance(head, WithLookup))
+
+
+def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):
+    """--tree as the speculator takes it: `auto` becomes the tree auto_tree chooses (a list of index
+    paths), or None where plain decoding is predicted fastest; a head with no measured acceptance
+    gets tree16. Prints what was chosen and the predicted speed-up (kept in resolve_tree.choice)."""
+    if tree != "auto":
+        return tree
+    folder = Path(str(heads_dir))
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
+                     if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
+    dtype = model.output.weight.dtype
+    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
+               dtype=str(dtype), checkpoint=str(checkpoint or "default"), layers=model.args.n_layer,
+               dim=model.args.dim, heads=str(folder.resolve()), weights=weights, lookup=isinstance(head, WithLookup),
+               compiled=compile_mode)
+    compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
+        if compile_mode else (lambda f: f)
+    choice = resolve_tree.choice = auto_tree(model, head, folder, key, compiled)
+    if choice is None:
+        print(f"--tree auto: {folder} has no acceptance.json (train.py writes it), so tree16", file=sys.stderr)
+        return "tree16"
+    if choice["paths"] is None:
+        best = max(choice["candidates"], key=lambda c: c["speedup"], default=None)
+        near = f" (the best tree, {best['nodes']} nodes, {best['speedup']:.2f}x)" if best else ""
+        print(f"--tree auto: plain autoregressive decoding is predicted fastest here{near}", file=sys.stderr)
+        return None
+    print(f"--tree auto: {len(choice['paths'])} paths, {choice['nodes']} verified nodes, {choice['depth']} deep; "
+          f"expected tau {choice['tau']:.2f}, predicted {choice['speedup']:.2f}x over autoregressive decoding",
+          file=sys.stderr)
+    return choice["paths"]
+
+
+def machine(device: str) -> str:
+    """The CPU's model name as lscpu prints it (or the GPU's name): speed depends on it."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def setup_caches(model, head, max_seq_len: int, head_scratch: int = 0):
@@ -229,7 +365,9 @@ def main(argv=None):
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--heads", default=None, help="draft heads: a Medusa, Hydra or EAGLE folder or hub id")
     s.add_argument("--head_type", choices=["medusa", "hydra", "eagle"], default=None, help="default: from the checkpoint")
-    s.add_argument("--tree", default="tree16", help="static tree: a name (mc_sim_7b_63, tree16, ...) or a JSON file")
+    s.add_argument("--tree", default="auto", help="static tree: a name (mc_sim_7b_63, tree16, chain4...), a JSON file "
+                   "of index paths, or auto: the fastest tree here (or plain decoding) from the head's measured "
+                   "acceptance and this machine's step costs, timed once and cached")
     s.add_argument("--dynamic_tree", action="store_true", help="EAGLE-2 dynamic tree (--top_k, --depth, --total_tokens)")
     s.add_argument("--lookup", type=int, default=0, metavar="N", help="add a prompt-lookup branch (matching up to "
                    "N tokens of the context, 3 is good) to the head's tree, static or dynamic")
@@ -264,15 +402,23 @@ def run(args):
     sampling = dict(temperature=args.temperature, top_k=0 if args.dynamic_tree else args.top_k, top_p=args.top_p)
     ar = lambda token, pos: ar_step(model, token, pos, **sampling)
     depth, nodes, scratch, step = 0, 1, 0, ar
+    tree = args.tree
+    if head is not None and not args.dynamic_tree:
+        if tree == "auto" and isinstance(head, NGram):
+            tree = "chain4"  # no trained acceptance to weigh
+        tree = resolve_tree(model, head, args.heads, tree, device,
+                            (args.compile_mode or "default") if args.compile else None, args.checkpoint)
+        if tree is None:
+            head = None
     if head is not None:
         draft, accept, depth, nodes, scratch = speculator(
-            model, head, args.tree, (args.top_k or 8, args.depth, args.total_tokens) if args.dynamic_tree else None,
+            model, head, tree, (args.top_k or 8, args.depth, args.total_tokens) if args.dynamic_tree else None,
             args.acceptance, args.temperature, sampling["top_k"], args.top_p, args.posterior_threshold, args.posterior_alpha)
         step = lambda h, t, n, P: spec_step(model, draft, accept, h, t, n, P)
     if args.compile:
         step, ar = compile_step(step, device, args.compile_mode), compile_step(ar, device, args.compile_mode)
 
-    messages = []
+    messages, cache_len = [], 0
     while True:
         user = input("> ") if args.interactive else args.prompt
         messages.append({"role": "user", "content": user})
@@ -280,8 +426,9 @@ def run(args):
         ids = tokenizer.encode(text, bos=None if args.no_chat else False)
         prompt = torch.tensor(ids, device=device)
         need = cache_size(len(ids), args.max_new_tokens, nodes, model.args.max_seq_len)
-        if model.max_seq_len < need:
+        if cache_len < need:  # (auto's timing left caches of its own size)
             setup_caches(model, head, need, scratch)
+            cache_len = need
             if args.compile:  # compile now, not inside the timed decode (the next prefill overwrites the cache)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
@@ -312,7 +459,8 @@ def run(args):
                 ref = decode(ar, state, first, args.max_new_tokens, tokenizer.eos_id)
                 dt_ar = time.perf_counter() - t1
             rate_ar = (len(ref) - 1) / max(dt_ar, 1e-9)
-            same = "identical" if ref == out else "different (expected only when sampling)"
+            same = ("identical" if ref == out else "different (when sampling; in bfloat16 also where two tokens "
+                    "tie within its rounding: float32 gives identical outputs)")
             print(f"autoregressive {rate_ar:.1f} tok/s; speculative {rate:.1f} tok/s = {rate / rate_ar:.2f}x; "
                   f"outputs {same}", file=sys.stderr)
         if not args.interactive:

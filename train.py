@@ -29,7 +29,7 @@ from distill import read_data
 from generate import check_device
 from heads import Eagle, Hydra, Medusa, save_heads, set_draft_vocab
 from model import ModelArgs
-from trees import MEDUSA_TREES, fit_tree, tree_tau
+from trees import MEDUSA_TREES, best_paths, prefix_counts, tree_tau
 
 RANKS = 10  # held-out ranks are told apart up to here: Medusa's trees take a head's top 10 at most
 
@@ -497,11 +497,17 @@ def train(args):
     counts = (ranks >= 0).sum(0).tolist()
     top1, top5 = hit_rates(ranks, 1), hit_rates(ranks, 5)
     # a static tree fit to these heads, as Medusa fit mc_sim_7b_63 to vicuna-7b's: --tree OUT/tree.json
-    paths = fit_tree(ranks, args.tree_size, RANKS)
+    prefixes = prefix_counts(ranks, RANKS)
+    paths = best_paths(prefixes, args.tree_size)
     tree = {"size": len(paths), "heldout_tau": round(tree_tau(ranks, paths), 3),
             "heldout_tau_mc_sim_7b_63": round(tree_tau(ranks, MEDUSA_TREES["mc_sim_7b_63"]), 3)}
 
     save_heads(head, out, base_model=base_name, dtype=getattr(torch, args.save_dtype))
+    # what `--tree auto` weighs against this machine's step costs (trees.choose_tree): how many
+    # held-out roots start with each of the most frequent index paths
+    top = best_paths(prefixes, 512)
+    (out / "acceptance.json").write_text(json.dumps(
+        {"roots": int(ranks.shape[0]), "paths": top, "counts": [prefixes[tuple(p)] for p in top]}) + "\n")
     if paths:
         (out / "tree.json").write_text(json.dumps(paths))
     else:  # no head ever drafted a held-out token right: no tree, and none left from an earlier run

@@ -81,14 +81,10 @@ def load_tree(name_or_path: str) -> list:
     return paths
 
 
-def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
-    """Medusa's tree search (it simulated head accuracies for vicuna-7b to get mc_sim_7b_63), on
-    measured ranks instead. ranks: [P, K] long, at P roots the rank of the true token in head k's
-    draft, given the true tokens before it as an accepted path has them (< 0 or >= top: a miss).
-    A node, an index path, is accepted at a root iff the root's ranks start with it, so a tree's
-    expected tau is 1 + the sum over its nodes of the fraction of roots that start so (tree_tau):
-    the `size` most frequent prefixes maximise it, and are a tree (a prefix is at least as
-    frequent as its extensions; ties go to the shorter). Returns index paths."""
+def prefix_counts(ranks: Tensor, top: int = 10) -> dict:
+    """{index path: how many roots' ranks start with it}. ranks: [P, K] long, at P roots the rank
+    of the true token in head k's draft, given the true tokens before it as an accepted path has
+    them (< 0 or >= top: a miss)."""
     counts = {}
     for row in ranks.tolist():
         path = ()
@@ -97,7 +93,66 @@ def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
                 break
             path += (r,)
             counts[path] = counts.get(path, 0) + 1
-    return [list(p) for p in sorted(counts, key=lambda p: (-counts[p], len(p), p))[:size]]
+    return counts
+
+
+def best_paths(counts: dict, size: int, max_depth: int = 0) -> list:
+    """The `size` most frequent paths (at most max_depth long, 0: any), ties to the shorter: a
+    prefix is at least as frequent as its extensions, so they are a tree, and the best one of
+    `size` nodes (and that depth) for these ranks."""
+    ok = [p for p in counts if not max_depth or len(p) <= max_depth]
+    return [list(p) for p in sorted(ok, key=lambda p: (-counts[p], len(p), p))[:size]]
+
+
+def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
+    """Medusa's tree search (it simulated head accuracies for vicuna-7b to get mc_sim_7b_63), on
+    measured ranks instead (see prefix_counts). A node, an index path, is accepted at a root iff
+    the root's ranks start with it, so a tree's expected tau is 1 + the sum over its nodes of the
+    fraction of roots that start so (tree_tau), and the `size` most frequent prefixes maximise it.
+    Returns index paths."""
+    return best_paths(prefix_counts(ranks, top), size)
+
+
+def interpolate(costs: dict, n: int) -> float:
+    """costs {N: seconds} measured at a few N, read at n: piecewise linear, extended past the ends."""
+    xs = sorted(costs)
+    if len(xs) == 1:
+        return costs[xs[0]]
+    i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= n), len(xs) - 1)))
+    x0, x1 = xs[i - 1], xs[i]
+    return costs[x0] + (costs[x1] - costs[x0]) * (n - x0) / (x1 - x0)
+
+
+def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
+                lookup: bool = False) -> dict:
+    """The static tree that maximises expected tokens per second (Sequoia's objective) on this
+    machine: for every size n and depth limit d, the best tree (best_paths) has expected tau
+    1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
+    t_verify(1) a token for plain decoding. counts, roots: the head's held-out prefix counts
+    (prefix_counts) over `roots` roots. t_verify {N: s}: a base forward over N tree rows;
+    t_draft {depth: s}: the head's draft of that many levels (both read by `interpolate`). lookup: a prompt-lookup chain as
+    deep as the tree rides along (its nodes are paid for; its acceptance is not counted, so the
+    choice is conservative). Returns dict(paths (None: plain decoding), nodes, depth, tau,
+    speedup: predicted, against plain decoding), plus `candidates`, the best of each size."""
+    t_ar = interpolate(t_verify, 1)
+    best = dict(paths=None, nodes=1, depth=0, tau=1.0, speedup=1.0)
+    candidates = []
+    for d in range(1, max(t_draft) + 1):
+        for n in range(1, max_nodes):
+            paths = best_paths(counts, n, d)
+            if len(paths) < n:  # no more distinct paths this shallow
+                break
+            depth = max(len(p) for p in paths)
+            nodes = n + 1 + (depth if lookup else 0)
+            if nodes > max_nodes or depth != d:  # depth < d: the same tree as under a smaller limit
+                continue
+            tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
+            speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes))
+            cand = dict(paths=paths, nodes=nodes, depth=depth, tau=tau, speedup=speedup)
+            candidates.append(cand)
+            if speedup > best["speedup"]:
+                best = cand
+    return {**best, "candidates": candidates}
 
 
 def tree_tau(ranks: Tensor, paths: list) -> float:

@@ -647,3 +647,41 @@ def test_eagle_draft_nodes_see_exactly_their_path(n, lookup):
                 torch.testing.assert_close(logits[r], base.output(f)[0], atol=1e-4, rtol=1e-4)
                 checked += 1
     assert checked == sum(len(x) for x in plan.expand_nodes[1:])
+
+
+# ---------------------------------------------------------------- --tree auto
+
+def test_step_costs_are_measured_once_per_key(tmp_path):
+    calls = []
+    measure = lambda: calls.append(1) or ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
+    key = dict(machine="m", dtype="torch.bfloat16", heads="/h")
+    assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
+    assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002}) and len(calls) == 1
+    G.cached_costs({**key, "dtype": "torch.float32"}, measure, tmp_path)   # another key: measured again
+    assert len(calls) == 2
+    G.cached_costs(key, measure, tmp_path)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("kind", ["eagle", "hydra"])
+def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kind):
+    """--tree auto on real (eager) step timings of a tiny model: a tree or plain decoding, printed,
+    cached, and the chosen tree decodes exactly like autoregressive decoding."""
+    import json
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    model = tiny_model()
+    head = randomize(make_head(kind, TINY), 1)
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    paths = [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]   # a made-up, very good head
+    (folder / "acceptance.json").write_text(json.dumps(dict(roots=10, paths=paths, counts=[9, 1, 8, 7, 6])))
+    tree = G.resolve_tree(model, head, folder, "auto", "cpu")
+    assert tree is None or (tree and all(p in paths for p in tree))
+    assert list((tmp_path / "cache").glob("step-costs-*.json"))
+    monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
+    assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree
+    prompt = torch.tensor([5, 17, 3, 44, 8, 21])
+    if tree is not None:
+        assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
+    (folder / "acceptance.json").unlink()                 # no measured acceptance: the old default
+    assert G.resolve_tree(model, head, folder, "auto", "cpu") == "tree16"

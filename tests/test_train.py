@@ -92,6 +92,11 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     assert fit["size"] == len(json.loads((out / "tree.json").read_text())) > 0
     assert fit["heldout_tau"] >= fit["heldout_tau_mc_sim_7b_63"] > 1, fit
     speculative_equals_autoregressive(model, head, seqs[-1][:plens[-1]].tolist(), 40, tree=str(out / "tree.json"))
+    # what --tree auto reads: the same counts, so the same expected tau for the fitted tree
+    acc = json.loads((out / "acceptance.json").read_text())
+    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
+    paths = json.loads((out / "tree.json").read_text())
+    assert 1 + sum(counts[tuple(p)] for p in paths) / acc["roots"] == pytest.approx(fit["heldout_tau"], abs=1e-3)
 
 
 def test_tree_size_is_checked(tiny, dataset, tmp_path, capsys):

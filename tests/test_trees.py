@@ -257,6 +257,50 @@ def test_fit_tree_is_the_best_tree_of_its_size(ranks, size):
     assert T.tree_tau(ranks, paths) == pytest.approx(best)
 
 
+def speed_of(counts, roots, paths, t_verify, t_draft, lookup=False):
+    """Predicted speed-up of a static tree, straight from its definition."""
+    tau = 1 + sum(counts.get(tuple(p), 0) for p in paths) / roots
+    depth = max(len(p) for p in paths)
+    nodes = len(paths) + 1 + (depth if lookup else 0)
+    return tau * T.interpolate(t_verify, 1) / (T.interpolate(t_draft, depth) + T.interpolate(t_verify, nodes))
+
+
+def test_choose_tree_follows_the_costs():
+    """Plain decoding when verifying rows is dear; bigger, deeper trees as rows and levels get cheap."""
+    ranks = torch.tensor([[0, 0, 0, 1]] * 50 + [[0, 1, 0, 0]] * 20 + [[1, 0, 2, 0]] * 20 + [[-1, 0, 0, 0]] * 10)
+    counts, roots = T.prefix_counts(ranks, 3), ranks.shape[0]
+    dear = T.choose_tree(counts, roots, {1: 1.0, 64: 64.0}, {1: 0.1, 4: 0.4})      # N rows cost N tokens
+    assert dear["paths"] is None and dear["speedup"] == 1.0
+    chosen = []
+    for slope in (1.0, 0.3, 0.1, 0.01, 0.0):                                        # verification gets cheap
+        r = T.choose_tree(counts, roots, {1: 1.0, 64: 1.0 + 63 * slope}, {1: 0.02, 4: 0.08})
+        chosen.append((r["nodes"], r["depth"]))
+        if r["paths"] is not None:
+            assert r["speedup"] == pytest.approx(speed_of(counts, roots, r["paths"], {1: 1.0, 64: 1.0 + 63 * slope},
+                                                          {1: 0.02, 4: 0.08}))
+    assert chosen == sorted(chosen) and chosen[0] == (1, 0) and chosen[-1][1] == 4 and chosen[-1][0] > 5
+    shallow = T.choose_tree(counts, roots, {1: 1.0, 64: 1.0}, {1: 0.02, 2: 0.04, 3: 1.0, 4: 2.0})
+    assert shallow["depth"] == 2                                                    # deep levels too dear
+
+
+@FAST
+@given(measured_ranks(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3), st.floats(0.0, 0.5), st.booleans())
+def test_choose_tree_is_the_fastest_tree_by_brute_force(ranks, rows, level, lookup):
+    """Against every tree of choices < 3 up to 2 deep and 7 nodes, on made-up costs."""
+    ranks = ranks[:, :2]
+    top, K = 3, ranks.shape[1]
+    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
+    t_draft = {d: level * d for d in range(1, K + 1)}
+    counts, roots = T.prefix_counts(ranks, top), ranks.shape[0]
+    r = T.choose_tree(counts, roots, t_verify, t_draft, max_nodes=8, lookup=lookup)
+    nodes = [p for d in range(1, K + 1) for p in itertools.product(range(top), repeat=d)]
+    best = max([1.0] + [speed_of(counts, roots, [list(p) for p in sub], t_verify, t_draft, lookup)
+                        for n in range(1, 8) for sub in itertools.combinations(nodes, n)
+                        if all(p[:-1] in sub for p in sub if len(p) > 1)
+                        and n + 1 + (max(map(len, sub)) if lookup else 0) <= 8])
+    assert r["speedup"] == pytest.approx(best)
+
+
 # ------------------------------------------------------------------ dynamic trees
 
 @st.composite

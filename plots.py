@@ -1,0 +1,137 @@
+"""Plots of bench.py's JSON results (`bench.py ... --json FILE`), for the README and docs/.
+
+    python plots.py docs/results/tau-*.json              # tau per Spec-Bench category, one bar per run
+    python plots.py docs/results/speed-*.json            # speed-up over compiled AR against tree nodes
+    python plots.py docs/results/rows-*.json             # cost of N verified rows against one row
+    python plots.py FILE... --out docs/img
+
+Each kind of result goes into one PNG in --out: `tau_per_category.png` (spec_bench runs),
+`speedup_vs_tree.png` (speed runs), `rows_cost.png` (`--rows` runs); the runs' dates and machines
+go in the titles and legends.
+matplotlib is for plots only (requirements-plots.txt), never imported by the engine.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def label(r: dict) -> str:
+    heads = Path(r["heads"]).name.removesuffix("-smollm2") if r.get("heads") else "AR"
+    return heads + (" + lookup" if r.get("lookup") else "") + (f", {r['tree']}" if r.get("tree") else "")
+
+
+def when_where(runs: list) -> str:
+    dates = sorted({r["date"] for r in runs})
+    machines = sorted({r["machine"] for r in runs})
+    return f"{', '.join(dates)}; {', '.join(machines)}"
+
+
+def tau_per_category(runs: list, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    cats = list(runs[0]["categories"])
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.75) + 2, 4))
+    for i, r in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(cats))]
+        ax.bar(xs, [r["categories"].get(c, {}).get("tau", 0) for c in cats], width, label=label(r))
+    ax.set_xticks(range(len(cats)), cats, rotation=40, ha="right")
+    ax.set_ylabel("tau (tokens per step)")
+    n = runs[0]["questions_per_category"]
+    ax.set_title(f"Spec-Bench, {n} question{'s' * (n > 1)} a category, {runs[0]['max_new_tokens']} new tokens, "
+                 f"greedy, {runs[0]['dtype']} ({when_where(runs)})", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = out / "tau_per_category.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def speedup_vs_tree(runs: list, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        pts = sorted((e["nodes"], e["vs_compiled_ar"], e["tree"]) for e in r["engines"] if e["tree"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label({**r, 'tree': None})}, {r['machine']}")
+        for x, y, tree in pts:
+            ax.annotate(tree, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axhline(1.0, color="gray", lw=1, ls="--", label="compiled AR decoding")
+    ax.set_xscale("log", base=2)
+    nodes = sorted({e["nodes"] for r in runs for e in r["engines"] if e["tree"]})
+    ax.set_xticks(nodes, [str(n) for n in nodes])
+    ax.minorticks_off()
+    ax.set_xlabel("verified tree nodes")
+    ax.set_ylabel("speed-up over compiled AR decoding")
+    ax.set_title(f"story prompt, {runs[0]['max_new_tokens']} new tokens, {runs[0]['dtype']}, compiled, "
+                 f"{runs[0]['threads']} threads ({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "speedup_vs_tree.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rows_cost(runs: list, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        v = {int(n): t for n, t in r["verify_s"].items()}
+        ax.plot(list(v), [t / v[1] for t in v.values()], "o-", label=f"{r['machine']}, {r['dtype']}, {r['date']}")
+    ax.plot([1, 64], [1, 64], color="gray", lw=1, ls=":", label="N one-row forwards")
+    ax.axhline(1.0, color="gray", lw=1, ls="--", label="one row (the memory bound)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ns = sorted({int(n) for r in runs for n in r["verify_s"]})
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    ax.set_xlabel("tree rows verified in one base forward (512-token prefix)")
+    ax.set_ylabel("time / time of one row")
+    ax.set_title("compiled base forward over N rows", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "rows_cost.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"spec_bench": tau_per_category, "speed": speedup_vs_tree, "rows": rows_cost}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="JSON files written by bench.py --json")
+    p.add_argument("--out", default="docs/img", help="folder for the PNGs")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+    except ImportError:
+        print("error: plots need matplotlib: pip install -r requirements-plots.txt", file=sys.stderr)
+        sys.exit(2)
+    runs = {}
+    for f in args.files:
+        try:
+            r = json.loads(Path(f).read_text())
+            runs.setdefault(r["kind"], []).append(r)
+        except (OSError, ValueError, KeyError, TypeError):
+            print(f"error: {f} is not a result file of bench.py --json: give the files it wrote", file=sys.stderr)
+            sys.exit(2)
+    unknown = set(runs) - set(PLOTS)
+    if unknown:
+        print(f"error: no plot for results of kind {', '.join(sorted(unknown))}: give spec_bench, speed or rows runs",
+              file=sys.stderr)
+        sys.exit(2)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, rs in runs.items():
+        print(PLOTS[kind](rs, out))
+
+
+if __name__ == "__main__":
+    main()
