@@ -132,11 +132,11 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
 
 
 def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4), prefix=512, reps=20):
-    """What a speculative step is made of, on this machine: seconds of a compiled base forward
-    (the `compiled` one: pass `lambda f: f` for eager) over N tree rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context,
-    and of the head's compiled draft of a one-node-a-level chain of each depth (its levels one after
-    another). Medians of `reps` calls taken in turns, so that drifts hit every shape alike.
-    Returns ({N: s}, {depth: s})."""
+    """What a speculative step is made of, on this machine: seconds of a base forward over N tree
+    rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and of the
+    head's draft of a one-node-a-level chain of each depth (its levels one after another), each
+    wrapped by `compiled` (compile_step, or `lambda f: f` for eager). Medians of `reps` calls taken
+    in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s})."""
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     prefix = min(prefix, model.args.max_seq_len // 2)  # (small test models)
@@ -150,6 +150,7 @@ def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 
     def verify_fn(N):
         chain = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
         slots = torch.arange(N, device=dev)
+
         def verify(tokens, P):  # tokens [N]
             mask = tree_attention_mask(chain, P, model.max_seq_len)
             return model(tokens[None], P + slots, mask, cache_pos=P + slots)
@@ -181,6 +182,7 @@ def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 
     return ({N: med[("verify", N)] for N in rows},
             {d: med[("draft", d)] for d in depths if ("draft", d) in med})
 
+
 def cached_costs(key: dict, measure, folder: Path):
     """measure() -> (t_verify, t_draft), done once per key (machine, model, dtype, head, mode) and
     kept in folder as JSON: a changed key (another machine, model, head...) measures again."""
@@ -198,6 +200,21 @@ def cached_costs(key: dict, measure, folder: Path):
     return t_verify, t_draft
 
 
+def cost_key(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None) -> dict:
+    """What step costs depend on: the machine, the model, its dtype, the head's files, the mode."""
+    folder = Path(str(heads_dir))
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
+                     if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
+    return dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
+                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
+                layers=model.args.n_layer, dim=model.args.dim, heads=str(folder.resolve()), weights=weights,
+                lookup=isinstance(head, WithLookup), compiled=compile_mode)
+
+
+def costs_folder() -> Path:
+    return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+
+
 def auto_tree(model, head, heads_dir, key: dict, compiled, folder=None) -> dict:
     """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
     here (trees.choose_tree), from the head's held-out acceptance (acceptance.json, written by
@@ -210,9 +227,8 @@ def auto_tree(model, head, heads_dir, key: dict, compiled, folder=None) -> dict:
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
     depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
-    folder = Path(folder or os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
     t_verify, t_draft = cached_costs({**key, "depths": depth}, lambda: step_costs(
-        model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=range(1, depth + 1)), folder)
+        model, head, compiled, depths=range(1, depth + 1)), folder or costs_folder())
     return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=isinstance(head, WithLookup))
 
 
@@ -223,13 +239,7 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
     if tree != "auto":
         return tree
     folder = Path(str(heads_dir))
-    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
-                     if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
-    dtype = model.output.weight.dtype
-    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
-               dtype=str(dtype), checkpoint=str(checkpoint or "default"), layers=model.args.n_layer,
-               dim=model.args.dim, heads=str(folder.resolve()), weights=weights, lookup=isinstance(head, WithLookup),
-               compiled=compile_mode)
+    key = cost_key(model, head, folder, device, compile_mode, checkpoint)
     compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
         if compile_mode else (lambda f: f)
     choice = resolve_tree.choice = auto_tree(model, head, folder, key, compiled)
