@@ -186,6 +186,7 @@ def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 
 def cached_costs(key: dict, measure, folder: Path):
     """measure() -> (t_verify, t_draft), done once per key (machine, model, dtype, head, mode) and
     kept in folder as JSON: a changed key (another machine, model, head...) measures again."""
+    key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(folder) / f"step-costs-{name}.json"
     if path.is_file():

@@ -87,6 +87,7 @@ def rows_cost(runs: list, out: Path) -> Path:
     ax.set_yscale("log", base=2)
     ns = sorted({int(n) for r in runs for n in r["verify_s"]})
     ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_yticks(ns, [f"{n}x" for n in ns])
     ax.minorticks_off()
     ax.set_xlabel("tree rows verified in one base forward (512-token prefix)")
     ax.set_ylabel("time / time of one row")

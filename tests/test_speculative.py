@@ -654,7 +654,7 @@ def test_eagle_draft_nodes_see_exactly_their_path(n, lookup):
 def test_step_costs_are_measured_once_per_key(tmp_path):
     calls = []
     measure = lambda: calls.append(1) or ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
-    key = dict(machine="m", dtype="torch.bfloat16", heads="/h")
+    key = dict(machine="m", dtype="torch.bfloat16", heads="/h", weights=[("w.safetensors", 10, 123)])
     assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
     assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002}) and len(calls) == 1
     G.cached_costs({**key, "dtype": "torch.float32"}, measure, tmp_path)   # another key: measured again
