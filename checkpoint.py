@@ -33,6 +33,10 @@ def load_model(checkpoint=None, device="cpu", dtype=torch.float32):
     folder, args, state = resolve(checkpoint)
     with torch.device("meta"):
         model = Transformer(args)
+    quant = quantization(folder)
+    if quant:  # built on the device, in the dtype: the kernels' packed forms depend on both
+        from quantize import install
+        state = install(model, state, quant, device, dtype)
     missing = set(model.state_dict()) - set(state)
     if args.tie_embeddings:
         missing.discard("output.weight")
@@ -56,7 +60,9 @@ def resolve(checkpoint):
     if path.is_file() and path.suffix == ".gguf":
         return resolve(convert_gguf(path))
     if path.is_dir() and (path / "model_args.json").exists():
-        args = ModelArgs(**json.loads((path / "model_args.json").read_text()))
+        cfg = json.loads((path / "model_args.json").read_text())
+        cfg.pop("quantization", None)  # quantize.py's checkpoints: read by load_model
+        args = ModelArgs(**cfg)
         return path, args, read_safetensors(path / "model.safetensors")
     if path.is_dir() and (path / "config.json").exists():
         return path, *read_hf_folder(path)
@@ -66,6 +72,12 @@ def resolve(checkpoint):
     if str(checkpoint).count("/") == 1 and not str(checkpoint).startswith((".", "/", "~")):
         return resolve(download(str(checkpoint)))
     raise CheckpointError(f"checkpoint {checkpoint} does not exist: give a model folder, a .gguf file or a hub id")
+
+
+def quantization(folder) -> dict:
+    """The "quantization" entry of a folder's model_args.json (quantize.py writes it), or None."""
+    f = Path(folder) / "model_args.json"
+    return json.loads(f.read_text()).get("quantization") if f.exists() else None
 
 
 def default_checkpoint() -> Path:

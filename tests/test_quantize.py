@@ -1,0 +1,236 @@
+"""Weight-only int8 / int4 quantization: the schemes' error bounds, the kernels against F.linear on the
+dequantized weights, the GGUF's Q4_1 blocks taken exactly, checkpoints through save and load, greedy
+speculative decoding on a quantized base, the compiled step, and the CLI's errors."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import generate as G
+import quantize as Q
+from conftest import ROOT
+from test_speculative import Oracle, ar_decode, cut, make_head, spec_decode
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def weights(N=128, K=256, seed=0):
+    """Random weights with outliers, a constant group and a zero row: the schemes' edge cases."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    w[3, 7] = 1.5
+    w[5, :64] = 0.25
+    w[9] = 0
+    return w
+
+
+# ---------------------------------------------------------------- schemes and kernels
+
+def test_int8_error_within_half_a_step_per_channel():
+    w = weights()
+    q, s = Q.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (w.shape[0],)
+    err = (w - Q.dequantize_int8(q, s)).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-5)).all()
+    assert Q.dequantize_int8(q, s)[9].abs().max() == 0
+
+
+@pytest.mark.parametrize("groupsize", [32, 64, 128, 256])
+def test_int4_error_within_half_a_step_per_group(groupsize):
+    w = weights()
+    nib, s, m = Q.quantize_int4(w, groupsize)
+    assert nib.shape == (128, 128) and s.shape == m.shape == (128, 256 // groupsize)
+    q = Q.unpack_int4(nib)
+    assert q.max() <= 15 and torch.equal(Q.pack_int4(q), nib)
+    err = (w - Q.dequantize_int4(nib, s, m)).abs().view(128, -1, groupsize)
+    assert (err <= s[..., None] / 2 * (1 + 1e-5) + 1e-7).all()
+    if groupsize <= 64:  # a constant group is exact
+        assert (Q.dequantize_int4(nib, s, m)[5, :64] == 0.25).all()
+
+
+def quantized_linear(mode, w, dtype):
+    if mode == "int8":
+        q, s = Q.quantize_int8(w)
+        return Q.WeightOnlyInt8Linear(q, s, dtype=dtype), Q.dequantize_int8(q, s), Q.dequantize_int8(q.abs(), s.abs())
+    nib, s, m = Q.quantize_int4(w, 32)
+    # what bf16 rounding of the scales and zeros (kernel: (q - 8) * scale + zero) or of the scales, mins
+    # and the dequantized weight (long inputs: q * scale + min) is relative to
+    q = Q.unpack_int4(nib).float().view(128, -1, 32)
+    mag = (q - 8).abs() * s[..., None] + (m + 8 * s).abs()[..., None] + q * s[..., None] + m.abs()[..., None]
+    return Q.WeightOnlyInt4Linear(nib, s, m, 32, dtype=dtype), Q.dequantize_int4(nib, s, m), mag.view(128, -1)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 16, Q.KERNEL_ROWS + 1])
+def test_kernel_equals_linear_on_dequantized_weight(mode, rows):
+    """bf16 kernels (and, over KERNEL_ROWS rows, the bf16 GEMM on the weight dequantized in bf16):
+    within 2**-7 * (|x| @ |W|.T) + 2**-8 |y| of the fp32 product (the scales, zeros and dequantized
+    weights are rounded to bf16, 2**-9 relative each, and the output once). fp32 (dequantize, then
+    F.linear): equal to F.linear on the dequantized weight."""
+    w = weights()
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    layer, deq, mag = quantized_linear(mode, w, torch.bfloat16)
+    assert layer.kernel == "cpu"
+    y = layer(x[None])[0].float()
+    ref = F.linear(x.float(), deq)
+    bound = 2 ** -7 * F.linear(x.float().abs(), mag) + 2 ** -8 * ref.abs()
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+    layer32, deq, _ = quantized_linear(mode, w, torch.float32)
+    assert layer32.kernel == "dequant"
+    y32 = layer32(x.float())
+    if mode == "int4":
+        assert torch.equal(y32, F.linear(x.float(), deq))
+    else:  # the scales multiply after the dot product
+        torch.testing.assert_close(y32, F.linear(x.float(), deq), rtol=1e-5, atol=1e-6)
+
+
+def test_q4_1_blocks_reproduce_the_gguf_exactly(default_gguf):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    t = next(t for t in GGUFReader(default_gguf).tensors if t.name == "blk.3.ffn_down.weight")
+    nib, d, m = Q.q4_1_blocks(t)
+    ref = dequantize(t.data, t.tensor_type).reshape(nib.shape[0], -1)
+    assert torch.equal(Q.dequantize_int4(nib, d, m), torch.from_numpy(ref))
+
+
+@pytest.fixture(scope="module")
+def int4_g32(default_gguf, tmp_path_factory):
+    return Q.write_quantized(None, tmp_path_factory.mktemp("q") / "int4-g32", "int4", 32)
+
+
+def test_int4_g32_from_the_gguf_is_the_default_model_in_fp32(int4_g32, default_model):
+    """The Q4_1 path (q, k, v rows concatenated as convert_gguf does, no permutation): in fp32 the
+    quantized model's logits are the default model's, bit for bit (its float weights are the same
+    Q4_1 blocks dequantized)."""
+    assert checkpoint.quantization(int4_g32)["source"].startswith("Q4_1 blocks")
+    model, _ = checkpoint.load_model(int4_g32, "cpu", torch.float32)
+    base, tok = default_model
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    with torch.inference_mode():
+        model.setup_caches(1, 32), base.setup_caches(1, 32)
+        assert torch.equal(model(ids, torch.arange(ids.shape[1])), base(ids, torch.arange(ids.shape[1])))
+    assert torch.equal(model.tok_embeddings.weight, base.tok_embeddings.weight)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def dequantized_copy(folder):
+    """A float Transformer whose linears hold the checkpoint's dequantized weights."""
+    folder, args, state = checkpoint.resolve(folder)
+    quant = checkpoint.quantization(folder)
+    for name in Q.linear_names(args, quant["lm_head"] == "int8"):
+        if name == "output" or quant["mode"] == "int8":
+            w = Q.dequantize_int8(state.pop(f"{name}.weight_int8"), state.pop(f"{name}.scales"))
+        else:
+            w = Q.dequantize_int4(*(state.pop(f"{name}.{k}") for k in ("weight_int4", "scales", "mins")))
+        state[f"{name}.weight"] = w
+    model = checkpoint.Transformer(args)
+    lm_head = state.pop("output.weight", None)
+    model.load_state_dict(state, strict=False)
+    if lm_head is not None:  # untied from the (exact) embedding
+        model.output.weight = torch.nn.Parameter(lm_head)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode,groupsize,lm_head", [("int8", 32, "int8"), ("int4", 64, None), ("int4", 32, "int8")])
+def test_checkpoint_round_trips_through_save_and_load(tiny, tmp_path, mode, groupsize, lm_head):
+    out = Q.write_quantized(tiny, tmp_path / "q", mode, groupsize, lm_head)
+    assert checkpoint.quantization(out) == {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
+                                            "lm_head": lm_head, "source": "quantized from the float weights"}
+    src, _ = checkpoint.load_model(tiny)
+    ref = dequantized_copy(out)
+    ids = torch.tensor([[5, 77, 3, 120, 9, 33, 200, 1]])
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            model, tok = checkpoint.load_model(out, "cpu", dtype)
+            cls = Q.WeightOnlyInt8Linear if mode == "int8" else Q.WeightOnlyInt4Linear
+            assert isinstance(model.layers[1].feed_forward.w2, cls)
+            assert isinstance(model.output, Q.WeightOnlyInt8Linear) == (lm_head == "int8")
+            # the lookup stays exact; the tied lm_head's float rows (the heads read them) are the embedding
+            assert torch.equal(model.tok_embeddings.weight, src.tok_embeddings.weight.to(dtype))
+            assert model.output.weight is model.tok_embeddings.weight
+            model.setup_caches(1, 16), ref.setup_caches(1, 16)
+            got, want = model(ids, torch.arange(8)).float(), ref(ids, torch.arange(8))
+            if dtype == torch.float32:  # the same weights through F.linear
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:  # bf16: about as far as the float copy in bf16 is (measured 0.37 and 0.36 of 17.5)
+                ref16 = copy.deepcopy(ref).bfloat16()
+                ref16.setup_caches(1, 16)
+                base = (ref16(ids, torch.arange(8)).float() - want).abs().max()
+                assert (got - want).abs().max() <= 1.5 * base
+    assert tok.eos_id == 256
+
+
+def test_greedy_speculative_on_a_quantized_base_equals_its_autoregressive_output(tmp_path):
+    """int8 (with the lm_head) of the default model, in fp32: the dequantized weights go through F.linear,
+    so the fp32 exactness argument of test_speculative holds. EAGLE tree16 with the oracle drafter."""
+    out_dir = Q.write_quantized(None, tmp_path / "int8", "int8", lm_head="int8")
+    model, tok = checkpoint.load_model(out_dir, "cpu", torch.float32)
+    oracle = Oracle(make_head("eagle", model.args, seed=2), model.args.vocab_size, seed=4)
+    n_tokens = n_steps = 0
+    for text in ["Tell me a short story about a brave cat.", "List five fruits that are red."]:
+        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}]), bos=False))
+        with torch.inference_mode():
+            ref = ar_decode(model, prompt, 32)
+            oracle.set_truth(prompt.tolist() + ref)
+            out, steps = spec_decode(model, oracle, prompt, 32, tok.eos_id)
+        assert out == cut(ref, 32, tok.eos_id)
+        n_tokens, n_steps = n_tokens + len(out) - 1, n_steps + len(steps)
+    assert n_tokens / n_steps >= 2.5
+
+
+def test_compiled_step_on_a_quantized_model_compiles_fullgraph(tiny, tmp_path, monkeypatch):
+    """int4 layers and an int8 lm_head, bf16 (torch's kernels): generate.compile_step's fullgraph
+    autoregressive step gives the eager step's tokens. One shape."""
+    import torch._dynamo
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    out_dir = Q.write_quantized(tiny, tmp_path / "q", "int4", 32, "int8")
+    model, _ = checkpoint.load_model(out_dir, "cpu", torch.bfloat16)
+    prompt = torch.tensor([5, 77, 3, 120, 9, 33])
+    with torch.inference_mode():
+        eager = ar_decode(model, prompt, 12)
+        step = G.compile_step(lambda t, p: G.ar_step(model, t, p), "cpu", mode="default")
+        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
+        assert G.decode(step, state, first, 12) == eager
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- bad input
+
+def run_quantize(*args):
+    return subprocess.run([sys.executable, "quantize.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_cli_errors_are_one_line_and_exit_2(tiny, tmp_path):
+    done = Q.write_quantized(tiny, tmp_path / "done", "int8")
+    cases = [(["--mode", "int3"], "unknown --mode int3"),
+             (["--mode", "int4", "--groupsize", "128"], "does not divide the 64 in-features"),
+             (["--mode", "int4", "--groupsize", "48"], "--groupsize 48 is not one of"),
+             (["--mode", "int8", "--checkpoint", done], "is already quantized")]
+    for extra, message in cases:
+        args = ["--out", tmp_path / "x", *extra]
+        if "--checkpoint" not in extra:
+            args += ["--checkpoint", tiny]
+        r = run_quantize(*args)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+
+
+def test_a_device_without_the_kernels_is_refused(tiny, tmp_path, monkeypatch):
+    out_dir = Q.write_quantized(tiny, tmp_path / "q", "int4", 32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(checkpoint.CheckpointError, match="compute capability 8.0"):
+        checkpoint.load_model(out_dir, "cuda", torch.bfloat16)
+    with pytest.raises(checkpoint.CheckpointError, match="run on cpu or cuda, not meta"):
+        checkpoint.load_model(out_dir, "meta", torch.bfloat16)
