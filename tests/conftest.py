@@ -170,3 +170,12 @@ def run_cli():
         return subprocess.run([sys.executable, "generate.py", *map(str, args)], cwd=ROOT, env=full_env,
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return run
+
+
+@pytest.fixture
+def no_recompiles():
+    """A second compiled graph is an error. Not monkeypatch: its undo deletes the entry from
+    torch._dynamo.config (a config module), and every later test that sets it fails."""
+    import torch._dynamo
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield

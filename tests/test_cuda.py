@@ -65,11 +65,10 @@ def test_shipped_heads_on_device_decode_exactly(smol, name, tree, dynamic, looku
     assert tau >= 1.3  # drafts were accepted: paths of several tokens were verified and compacted
 
 
-def test_compiled_steps_on_device_equal_autoregressive(smol, monkeypatch):
+def test_compiled_steps_on_device_equal_autoregressive(smol, monkeypatch, no_recompiles):
     """The autoregressive step and EAGLE's dynamic-tree step compiled (fullgraph; on CUDA as CUDA
     graphs, reduce-overhead): two prompts through one graph each."""
     import torch._dynamo
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     model, tok, prompts, refs = smol
     mode = "reduce-overhead" if DEVICE.startswith("cuda") else "default"
     head = load_heads("heads/eagle-smollm2", model).to(DEVICE)

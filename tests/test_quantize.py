@@ -189,11 +189,10 @@ def test_greedy_speculative_on_a_quantized_base_equals_its_autoregressive_output
     assert n_tokens / n_steps >= 2.5
 
 
-def test_compiled_step_on_a_quantized_model_compiles_fullgraph(tiny, tmp_path, monkeypatch):
+def test_compiled_step_on_a_quantized_model_compiles_fullgraph(tiny, tmp_path, no_recompiles):
     """int4 layers and an int8 lm_head, bf16 (torch's kernels): generate.compile_step's fullgraph
     autoregressive step gives the eager step's tokens. One shape."""
     import torch._dynamo
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     out_dir = Q.write_quantized(tiny, tmp_path / "q", "int4", 32, "int8")
     model, _ = checkpoint.load_model(out_dir, "cpu", torch.bfloat16)
     prompt = torch.tensor([5, 77, 3, 120, 9, 33])
