@@ -27,6 +27,14 @@ def when_where(runs: list) -> str:
     return f"{', '.join(dates)}; {', '.join(machines)}"
 
 
+def save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def tau_per_category(runs: list, out: Path) -> Path:
     import matplotlib.pyplot as plt
     cats = list(runs[0]["categories"])
@@ -42,11 +50,7 @@ def tau_per_category(runs: list, out: Path) -> Path:
                  f"greedy, {runs[0]['dtype']} ({when_where(runs)})", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "tau_per_category.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "tau_per_category.png")
 
 
 def speedup_vs_tree(runs: list, out: Path) -> Path:
@@ -68,11 +72,7 @@ def speedup_vs_tree(runs: list, out: Path) -> Path:
                  f"{runs[0]['threads']} threads ({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "speedup_vs_tree.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "speedup_vs_tree.png")
 
 
 def rows_cost(runs: list, out: Path) -> Path:
@@ -94,11 +94,7 @@ def rows_cost(runs: list, out: Path) -> Path:
     ax.set_title("compiled base forward over N rows", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "rows_cost.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "rows_cost.png")
 
 
 PLOTS = {"spec_bench": tau_per_category, "speed": speedup_vs_tree, "rows": rows_cost}

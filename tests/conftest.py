@@ -179,3 +179,14 @@ def no_recompiles():
     import torch._dynamo
     with torch._dynamo.config.patch(error_on_recompile=True):
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread (modules take it with `pytestmark`): tiny models' ops are microseconds
+    long, and on a CPU shared with other jobs OpenMP workers spin-wait and thrash (measured 0.6 ms a
+    tiny decode step on one thread, up to 70 ms on two; test_speculative 2x to 10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -12,7 +12,9 @@ import torch
 
 import heads as H
 from model import ModelArgs
-from test_speculative import TINY, Oracle, ar_decode, make_head, one_thread, spec_decode, tiny_model  # noqa: F401
+from test_speculative import TINY, Oracle, ar_decode, make_head, spec_decode, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # name: (head kind, weights file the loader must read, re-save with torch.save under that name)
 FORMATS = {
@@ -223,7 +225,7 @@ def test_cli_with_a_saved_eagle_head_gives_the_autoregressive_output(default_mod
     H.save_heads(make_head("eagle", model.args, seed=9), tmp_path / "eagle", base_model="SmolLM2-135M-Instruct")
     r = run_cli("--heads", tmp_path / "eagle", "--compare", "--max_new_tokens", 24,
                 "--prompt", "Tell me a short story about a brave cat.", timeout=600,
-                env={"OMP_NUM_THREADS": "1"})  # see test_speculative.one_thread
+                env={"OMP_NUM_THREADS": "1"})  # see conftest.one_thread
     assert r.returncode == 0, r.stderr[-2000:]
     assert "outputs identical" in r.stderr, r.stderr[-2000:]
     assert "tau" in r.stderr

@@ -16,12 +16,7 @@ from conftest import ROOT
 from test_speculative import Oracle, ar_decode, cut, make_head, spec_decode
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weights(N=128, K=256, seed=0):

@@ -20,15 +20,7 @@ from model import ModelArgs, Transformer
 
 # ---------------------------------------------------------------- shared helpers
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these tests run many small ops, and on a CPU shared with other jobs
-    OpenMP workers spin-wait and thrash (measured: this module 2x to 10x slower with 2 threads on
-    2 shared cores); on an idle machine one thread costs at most about 1.5x on the big forwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPTS = {  # varied: questions, code, a list, a story, math

@@ -17,14 +17,7 @@ from checkpoint import load_model
 from conftest import TINY_VOCAB
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model's ops are microseconds long: on a busy 2-core machine a second thread only waits
-    for the other (measured 0.6 ms a decode step on one thread, up to 70 ms on two)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_args(tiny, dataset, out, kind, *extra):
