@@ -235,10 +235,9 @@ def run(args):
     ar = lambda t, pos: G.ar_step(model, t, pos)
     compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
     if args.rows:
-        # the same measurement as --tree auto's, kept in its cache (and read from it) under the same key
-        key = {**G.cost_key(model, head, args.heads or "", device, args.compile_mode or "default", args.checkpoint),
-               "depths": 4 if head is not None else 0}
-        verify, draft = G.cached_costs(key, lambda: G.step_costs(model, head, compiled), G.costs_folder())
+        # the same measurement as --tree auto's, read from (and kept in) its cache
+        verify, draft = G.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",
+                                         args.checkpoint)
         where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
         print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where}, "
               "median of 20 calls taken in turns")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import checkpoint as ckpt
 from checkpoint import load_model
 from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
 from trees import choose_tree, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
@@ -212,15 +213,21 @@ def cost_key(model, head, heads_dir, device: str, compile_mode=None, checkpoint=
                 lookup=isinstance(head, WithLookup), compiled=compile_mode)
 
 
-def costs_folder() -> Path:
-    return Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec"))
+def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, depth: int = 4):
+    """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
+    cost_key and kept under the project's cache folder; --tree auto and bench.py --rows share them."""
+    compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
+        if compile_mode else (lambda f: f)
+    key = {**cost_key(model, head, heads_dir, device, compile_mode, checkpoint), "depths": depth if head else 0}
+    return cached_costs(key, lambda: step_costs(model, head, compiled, depths=range(1, depth + 1)),
+                        ckpt.CACHE_DIR)
 
 
-def auto_tree(model, head, heads_dir, key: dict, compiled, folder=None) -> dict:
+def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
     """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
     here (trees.choose_tree), from the head's held-out acceptance (acceptance.json, written by
-    train.py) and this machine's measured step costs (cached under key). None: the head has no
-    acceptance.json (official checkpoints, the n-gram drafter)."""
+    train.py) and this machine's measured step costs. None: the head has no acceptance.json
+    (official checkpoints, the n-gram drafter)."""
     path = Path(heads_dir) / "acceptance.json"
     if not path.is_file():
         return None
@@ -228,8 +235,7 @@ def auto_tree(model, head, heads_dir, key: dict, compiled, folder=None) -> dict:
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
     depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
-    t_verify, t_draft = cached_costs({**key, "depths": depth}, lambda: step_costs(
-        model, head, compiled, depths=range(1, depth + 1)), folder or costs_folder())
+    t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint, depth)
     return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=isinstance(head, WithLookup))
 
 
@@ -240,10 +246,7 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
     if tree != "auto":
         return tree
     folder = Path(str(heads_dir))
-    key = cost_key(model, head, folder, device, compile_mode, checkpoint)
-    compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
-        if compile_mode else (lambda f: f)
-    choice = resolve_tree.choice = auto_tree(model, head, folder, key, compiled)
+    choice = resolve_tree.choice = auto_tree(model, head, folder, device, compile_mode, checkpoint)
     if choice is None:
         print(f"--tree auto: {folder} has no acceptance.json (train.py writes it), so tree16", file=sys.stderr)
         return "tree16"

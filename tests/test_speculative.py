@@ -659,7 +659,8 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     """--tree auto on real (eager) step timings of a tiny model: a tree or plain decoding, printed,
     cached, and the chosen tree decodes exactly like autoregressive decoding."""
     import json
-    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
     model = tiny_model()
     head = randomize(make_head(kind, TINY), 1)
     folder = tmp_path / "heads"
