@@ -13,7 +13,7 @@ Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) a
 decodes each question autoregressively (compiled; CUDA graphs on a GPU) and reports both speeds and
 whether the outputs are the same; with --ties also how close to a tie (in an fp32 forward) the two
 tokens were where the outputs first differ. Several --tree names (speed run) time each tree against
-the same autoregressive engine. --json FILE writes the results with the date, the machine and the
+the same autoregressive engine (with --spec_bench, each question's one AR decode). --json FILE writes the results with the date, the machine and the
 command; `python plots.py FILE...` draws them into docs/img/.
 """
 import argparse
@@ -64,6 +64,24 @@ def ours(model, head, step, prompt, depth, n):
     return (n - 1) / (t_n - t_1), tau
 
 
+def side_by_side(engines: dict, runs: int) -> dict:
+    """engines {name: measure() -> (tokens/s, tau)}, each warmed up (compiled) once, then measured
+    `runs` times in turns, round after round, so that drifts of this shared machine's speed hit them
+    alike. Returns {name: [(tokens/s, tau) per round]}; take ratios round by round (ratio)."""
+    for measure in engines.values():
+        measure()
+    results = {name: [] for name in engines}
+    for _ in range(runs):
+        for name, measure in engines.items():
+            results[name].append(measure())
+    return results
+
+
+def ratio(res: list, to: list) -> float:
+    """The median over rounds of res's tokens/s over to's, both lists from side_by_side."""
+    return statistics.median(r / f for (r, _), (f, _) in zip(res, to))
+
+
 def hf(dtype, device, prompt, n):
     from transformers import AutoModelForCausalLM
     path = default_checkpoint()
@@ -106,12 +124,13 @@ def near_tie(ref, ids, spec_out, ar_out, dtype):
     return i, float(z[a] - z[b]), ulp, "spec" if top == a else "ar" if top == b else "other"
 
 
-def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, max_prompt, speed=False, ref=None):
-    """Greedy speculative decoding (step `spec`) on the first questions of each Spec-Bench category
-    (evaluation only). speed: also decode each question autoregressively (step `ar`), timing both
-    decode loops side by side (prefill excluded), and compare the two outputs token for token;
-    ref: an fp32 copy of the base, to judge where they differ (near_tie).
-    Returns {category: dict(q, tokens, steps, t_spec, t_ar, same, ties)}."""
+def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prompt, speed=False, ref=None):
+    """Greedy speculative decoding on the first questions of each Spec-Bench category (evaluation
+    only), with each of specs [(name, step, depth)], one after the other on each question. speed:
+    also decode each question autoregressively (step `ar`), once, timing every decode loop side by
+    side (prefill excluded), and compare each output with it token for token; ref: an fp32 copy of
+    the base, to judge where they differ (near_tie).
+    Returns {name: {category: dict(q, tokens, steps, t_spec, tokens_ar, t_ar, same, ties)}}."""
     import json
     from collections import defaultdict
     by_cat = defaultdict(list)
@@ -135,22 +154,32 @@ def spec_bench(model, tok, head, spec, ar, depth, questions, per_category, n, ma
     if speed:  # compile and record (CUDA graphs) outside the timed runs
         t0 = time.perf_counter()
         ids = next(iter(by_cat.values()))[0]
-        decode(spec, head, ids, depth), decode(ar, None, ids, 0)
+        for _, spec, depth in specs:
+            decode(spec, head, ids, depth)
+        decode(ar, None, ids, 0)
         print(f"compiled and warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    out = {}
+    out = {name: {} for name, _, _ in specs}
     for cat, prompts in by_cat.items():
-        r = dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0, ties=[])
+        rs = {name: dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0, ties=[])
+              for name in out}
         for ids in prompts:
-            o, steps, t = decode(spec, head, ids, depth)
-            r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
+            outs = {}
+            for name, spec, depth in specs:
+                o, steps, t = outs[name] = decode(spec, head, ids, depth)
+                r = rs[name]
+                r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
             if speed:
                 o_ar, _, t = decode(ar, None, ids, 0)
-                r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(o_ar) - 1, r["t_ar"] + t
-                r["same"] += o_ar == o
-                if ref is not None and o_ar != o:
-                    r["ties"].append(near_tie(ref, ids, o, o_ar, model.output.weight.dtype))
-        out[cat] = r
-        print(f"{cat}: tau {r['tokens'] / max(r['steps'], 1):.2f}", file=sys.stderr, flush=True)
+                for name, r in rs.items():
+                    o = outs[name][0]
+                    r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(o_ar) - 1, r["t_ar"] + t
+                    r["same"] += o_ar == o
+                    if ref is not None and o_ar != o:
+                        r["ties"].append(near_tie(ref, ids, o, o_ar, model.output.weight.dtype))
+        for name, r in rs.items():
+            out[name][cat] = r
+        print(f"{cat}: tau " + ", ".join(f"{r['tokens'] / max(r['steps'], 1):.2f}" for r in rs.values()),
+              file=sys.stderr, flush=True)
     return out
 
 
@@ -166,9 +195,11 @@ def main():
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--skip_eager", action="store_true")
     p.add_argument("--heads", default=None)
-    p.add_argument("--tree", nargs="+", default=["tree16"], help="static tree(s); a speed run times each")
+    p.add_argument("--tree", nargs="+", default=None, help="static tree(s), each timed in the same run "
+                   "(default tree16, none with --dynamic_tree)")
     p.add_argument("--lookup", type=int, default=0, help="add a prompt-lookup branch (N-gram) to the head's tree")
-    p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens")
+    p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens: an EAGLE-2 dynamic tree "
+                   "(beside any --tree)")
     p.add_argument("--spec_bench", type=int, default=0, metavar="N",
                    help="instead: tau of --heads on the first N Spec-Bench questions of each category")
     p.add_argument("--questions", default=str(SPEC_BENCH), help="with --spec_bench: the questions (JSONL, turns)")
@@ -200,8 +231,6 @@ def run(args):
         raise ValueError("--profile profiles the story prompt's speed run: drop --spec_bench")
     if args.rows and (args.spec_bench or args.profile):
         raise ValueError("--rows is a benchmark of its own: drop --spec_bench and --profile")
-    if len(args.tree) > 1 and (args.spec_bench or args.dynamic_tree):
-        raise ValueError("several --tree values are for the speed run: give one tree with --spec_bench or --dynamic_tree")
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):
@@ -217,27 +246,26 @@ def run(args):
     specs, predicted = [], None
     if head is not None:
         dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
-        for tree in [args.dynamic_tree] if dyn else args.tree:
+        # --tree's static trees (tree16 if neither is given), then the dynamic one
+        for tree in (args.tree or ([] if dyn else ["tree16"])) + ([f"dynamic {args.dynamic_tree}"] if dyn else []):
             paths = tree
             if tree == "auto":  # what generate.py's --tree auto picks for a compiled step here
                 paths = G.resolve_tree(model, head, args.heads, "auto", device, args.compile_mode or "default",
                                        args.checkpoint)
                 predicted = G.resolve_tree.choice
-                if paths is None and args.spec_bench:
-                    raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
                 if paths is None:
                     continue  # plain decoding: the compiled AR engine is already in the table
-            specs.append((tree, *G.speculator(model, head, paths, dyn)))
-    _, draft, accept, depth, _, _ = specs[0] if specs else (None, None, None, 0, 1, 0)
+            specs.append((tree, *G.speculator(model, head, paths, dyn if tree.startswith("dynamic") else None)))
+        if args.spec_bench and not specs:
+            raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
     nodes, scratch = max([s[4] for s in specs], default=1), max([s[5] for s in specs], default=0)
     spec_of = lambda draft, accept: lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
-    spec = spec_of(draft, accept)
     ar = lambda t, pos: G.ar_step(model, t, pos)
     compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
     if args.rows:
         # the same measurement as --tree auto's, read from (and kept in) its cache
         verify, draft = G.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",
-                                         args.checkpoint)
+                                         args.checkpoint, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4))
         where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
         print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where}, "
               "median of 20 calls taken in turns")
@@ -258,34 +286,42 @@ def run(args):
         # one cache for every question (what a question leaves in it past its own length is masked),
         # so that compiled steps are compiled once
         G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
+        steps = [(name, spec_of(draft, accept), depth) for name, draft, accept, depth, _, _ in specs]
         if args.compile or args.speed:
-            spec, ar = compiled(spec), compiled(ar)
+            steps, ar = [(name, compiled(step), depth) for name, step, depth in steps], compiled(ar)
         ref = None
         if args.ties:  # an fp32 copy of the base judges where the outputs differ
             ref, _ = load_model(args.checkpoint, device, torch.float32)
             ref.setup_caches(1, args.max_prompt + n + 1)
-        res = spec_bench(model, tok, head, spec, ar, depth, args.questions, args.spec_bench, n, args.max_prompt,
-                         args.speed, ref)
-        name = f"{args.heads}{' + lookup' if args.lookup else ''} {specs[0][0]}"
-        print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {device}")
-        cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
-        print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
-        total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values())) if k != "ties"}
-        for cat, r in [*res.items(), ("all", total)]:
-            row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
-            if args.speed:
-                ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
-                row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
-            print(row)
-            r["tau"] = r["tokens"] / max(r["steps"], 1)
-            if args.speed:
-                r["speedup"] = r["tokens"] / r["t_spec"] / (r["tokens_ar"] / r["t_ar"])
-        if args.json:
-            write_json(args.json, "spec_bench", args, tree=specs[0][0], nodes=nodes, questions_per_category=args.spec_bench,
-                       speed=args.speed, categories={c: {k: v for k, v in r.items() if k != "ties"}
-                                                      for c, r in [*res.items(), ("all", total)]})
+        results = spec_bench(model, tok, head, steps, ar, args.questions, args.spec_bench, n, args.max_prompt,
+                             args.speed, ref)
+        where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
+        records = []
+        for (tree, *_, tree_nodes, _), res in zip(specs, results.values()):
+            name = f"{args.heads}{' + lookup' if args.lookup else ''} {tree}"
+            if tree == "auto":
+                name += f" ({predicted['nodes']} nodes, predicted {predicted['speedup']:.2f}x)"
+            print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {where}")
+            cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
+            print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
+            total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values())) if k != "ties"}
+            for cat, r in [*res.items(), ("all", total)]:
+                row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
+                if args.speed:
+                    ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
+                    row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
+                print(row)
+                r["tau"] = r["tokens"] / max(r["steps"], 1)
+                if args.speed:
+                    r["speedup"] = r["tokens"] / r["t_spec"] / (r["tokens_ar"] / r["t_ar"])
+            records.append(dict(tree=tree, nodes=tree_nodes, categories={
+                c: {k: v for k, v in r.items() if k != "ties"} for c, r in [*res.items(), ("all", total)]}))
+        if args.json:  # the first tree's figures at the top level (what plots.py draws), every tree's in `trees`
+            write_json(args.json, "spec_bench", args, **records[0], questions_per_category=args.spec_bench,
+                       speed=args.speed, auto_predicted=predicted and {k: v for k, v in predicted.items()
+                                                                       if k != "candidates"}, trees=records)
         if ref is not None:
-            ties = [(cat, *t) for cat, r in res.items() for t in r["ties"] if t is not None]
+            ties = [(cat, *t) for res in results.values() for cat, r in res.items() for t in r["ties"] if t is not None]
             print(f"\nwhere the {len(ties)} differing outputs first differ, an fp32 forward over the common prefix:")
             print(f"| category | token | fp32 logit, speculative - AR token | {args.dtype} spacing there | "
                   "fp32 argmax |\n|---|---|---|---|---|")
@@ -311,16 +347,8 @@ def run(args):
         tree_of[name] = (tree, nodes)
     if not args.skip_hf:
         engines["transformers generate"] = hf(dtype, device, prompt, n)
-    for measure in engines.values():  # warm up, compile
-        measure()
-    # The engines take turns, round after round, so that drifts of this shared machine's speed
-    # hit them alike; each engine's ratio to the first is taken round by round.
-    results = {name: [] for name in engines}
-    for _ in range(args.runs):
-        for name, measure in engines.items():
-            results[name].append(measure())
+    results = side_by_side(engines, args.runs)
     first, ar_c = next(iter(results.values())), results["ours, compiled"]
-    ratio = lambda res, to: statistics.median(r / f for (r, _), (f, _) in zip(res, to))
     rows = [(name, statistics.median(r for r, _ in res), res[-1][1], ratio(res, first), ratio(res, ar_c))
             for name, res in results.items()]
     threads = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)

@@ -132,20 +132,26 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
     return draft, accept, depth, nodes, depth + 1 + scratch
 
 
-def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4), prefix=512, reps=20):
+# tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
+# CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
+ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
+
+
+def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20):
     """What a speculative step is made of, on this machine: seconds of a base forward over N tree
-    rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and of the
-    head's draft of a one-node-a-level chain of each depth (its levels one after another), each
-    wrapped by `compiled` (compile_step, or `lambda f: f` for eager). Medians of `reps` calls taken
-    in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s})."""
+    rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
+    given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
+    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). Medians of `reps`
+    calls taken in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s})."""
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+    depths = list(depths) if head is not None else []
+    max_depth, max_rows = max(depths, default=0), max(rows, default=1)
     prefix = min(prefix, model.args.max_seq_len // 2)  # (small test models)
-    rows = [N for N in rows if prefix + N + 2 * max(depths) + 2 <= model.args.max_seq_len]
+    rows = [N for N in rows if prefix + N + 2 * max_depth + 2 <= model.args.max_seq_len]
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
-    max_depth = max(depths) if head is not None else 0
-    setup_caches(model, head, prefix + max(rows) + max_depth + 1, max(rows) + 2 * max_depth + 2)
+    setup_caches(model, head, prefix + max_rows + max_depth + 1, max_rows + 2 * max_depth + 2)
     P = torch.tensor(prefix, device=dev)
 
     def verify_fn(N):
@@ -162,14 +168,15 @@ def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 
         for N in rows:
             f, tokens = verify_fn(N), ctx[:N].clone()
             calls[("verify", N)] = lambda f=f, tokens=tokens: f(tokens, P)
-        if head is not None:
+        if depths:
             lookup = isinstance(head, WithLookup)
             draft = compiled(lambda plan, h, t, n, P: draft_static(head, model, plan, h, t, n, P))
             for d in depths:
                 plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
                 _, state = start(model, head, ctx, d, dict(temperature=0.0))
                 calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
-        for fn in tqdm(calls.values(), desc="timing the step's parts", unit="shape", file=sys.stderr):
+        for fn in tqdm(calls.values(), desc="timing the step's parts (once per machine and model)", unit="shape",
+                       file=sys.stderr):
             fn(), fn()  # compile (and autotune) outside the timing
         times = {k: [] for k in calls}
         for _ in range(reps):
@@ -184,43 +191,57 @@ def step_costs(model, head, compiled, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 
             {d: med[("draft", d)] for d in depths if ("draft", d) in med})
 
 
-def cached_costs(key: dict, measure, folder: Path):
-    """measure() -> (t_verify, t_draft), done once per key (machine, model, dtype, head, mode) and
-    kept in folder as JSON: a changed key (another machine, model, head...) measures again."""
+def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
+    """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
+    dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
+    lacks one of `wanted` (all of them again, so that one table is one run), else nothing. Returns
+    every cached n, `wanted` and any measured before."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(folder) / f"step-costs-{name}.json"
+    costs = {}
     if path.is_file():
         rec = json.loads(path.read_text())
         if rec.get("key") == key:
-            return ({int(n): t for n, t in rec["t_verify"].items()}, {int(d): t for d, t in rec["t_draft"].items()})
-    t_verify, t_draft = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dict(key=key, t_verify=t_verify, t_draft=t_draft), indent=1))
-    tmp.replace(path)
-    return t_verify, t_draft
+            costs = {int(n): t for n, t in rec["costs"].items()}
+    if any(n not in costs for n in wanted):
+        costs.update(measure(list(wanted)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(key=key, costs=dict(sorted(costs.items()))), indent=1))
+        tmp.replace(path)
+    return dict(sorted(costs.items()))
 
 
-def cost_key(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None) -> dict:
-    """What step costs depend on: the machine, the model, its dtype, the head's files, the mode."""
+def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, heads_dir=None) -> dict:
+    """What a step part's cost depends on: the machine, the model, its dtype, the mode; for the
+    draft also the head's files and its lookup branch."""
+    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
+               dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
+               layers=model.args.n_layer, dim=model.args.dim, compiled=compile_mode)
+    if head is None:
+        return {**key, "part": "verify"}
     folder = Path(str(heads_dir))
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
                      if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
-    return dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
-                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
-                layers=model.args.n_layer, dim=model.args.dim, heads=str(folder.resolve()), weights=weights,
-                lookup=isinstance(head, WithLookup), compiled=compile_mode)
+    return {**key, "part": "draft", "heads": str(folder.resolve()), "weights": weights,
+            "lookup": isinstance(head, WithLookup)}
 
 
-def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, depth: int = 4):
+def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
+                   depths=DEPTHS):
     """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
-    cost_key and kept under the project's cache folder; --tree auto and bench.py --rows share them."""
+    cost_key and kept under the project's cache folder: verification once for the base model (every
+    head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
+    share them. Returns ({N: s}, {depth: s}) (no head: {})."""
     compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
         if compile_mode else (lambda f: f)
-    key = {**cost_key(model, head, heads_dir, device, compile_mode, checkpoint), "depths": depth if head else 0}
-    return cached_costs(key, lambda: step_costs(model, head, compiled, depths=range(1, depth + 1)),
-                        ckpt.CACHE_DIR)
+    t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
+                            lambda rs: step_costs(model, None, compiled, rows=rs)[0], ckpt.CACHE_DIR)
+    t_draft = {} if head is None else cached_costs(
+        cost_key(model, device, compile_mode, checkpoint, head, heads_dir), depths,
+        lambda ds: step_costs(model, head, compiled, rows=(), depths=ds)[1], ckpt.CACHE_DIR)
+    return t_verify, t_draft
 
 
 def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
@@ -235,8 +256,12 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
     depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
-    t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint, depth)
-    return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=isinstance(head, WithLookup))
+    t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint,
+                                       depths=sorted({1, depth}))
+    lookup, hits = isinstance(head, WithLookup), None
+    if lookup and str(head.ngram.n) in acc.get("lookup", {}).get("counts", {}):
+        hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][str(head.ngram.n)]]
+    return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
 
 
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):
@@ -262,13 +287,18 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
 
 
 def machine(device: str) -> str:
-    """The CPU's model name as lscpu prints it (or the GPU's name): speed depends on it."""
+    """The CPU's model name as lscpu prints it, with its family and model numbers (two Xeons of
+    different speeds have both called themselves "Intel(R) Xeon(R) Processor"), or the GPU's name:
+    speed depends on it."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        if "model name" in info:
+            ids = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
+            return info["model name"] + ids
     except OSError:
         pass
     return platform.processor() or platform.machine()

@@ -6,6 +6,7 @@ quality report against the bf16 model.
     python quantize.py --mode int4 --groupsize 128 --lm_head int8 --out ckpt/smollm2-int4-g128
     python generate.py --dtype bfloat16 --compile --checkpoint ckpt/smollm2-int4-g32
     python quantize.py --eval ckpt/smollm2-int8 ckpt/smollm2-int4-g32 ckpt/smollm2-int4-g128
+    python quantize.py --speed ckpt/smollm2-int8 ckpt/smollm2-int4-g32 --heads heads/eagle-smollm2 --lookup 3
 
 A quantized checkpoint is our layout (model.safetensors, model_args.json, tokenizer) with a
 "quantization" entry in model_args.json; checkpoint.load_model builds these modules from it. The file
@@ -308,6 +309,40 @@ def evaluate(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=1
     return rows, len(held), positions
 
 
+def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs=5, compiled=True):
+    """Compiled decode tokens/s (bf16 activations) of the reference model and of each quantized
+    checkpoint on bench.py's story prompt, side by side in one run (bench.side_by_side: in turns,
+    round after round): autoregressive and, with heads, speculative on `tree` (auto: what --tree auto
+    picks for each base, timed on first use). compiled=False: eager (tests). Returns [(name, tokens/s,
+    tau, vs the reference's AR)]."""
+    import bench
+    import generate as G
+    from heads import load_heads
+    engines, compile_step = {}, (G.compile_step if compiled else lambda f, device: f)
+    for d in [reference, *dirs]:
+        model, tok = C.load_model(d, "cpu", torch.bfloat16)
+        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": bench.PROMPT}])))
+        name = str(d or "bf16")
+        ar = compile_step(lambda t, pos, m=model: G.ar_step(m, t, pos), "cpu")
+        engines[f"{name}, AR"] = lambda m=model, s=ar, p=prompt: bench.ours(m, None, s, p, 0, n)
+        if not heads:
+            G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
+            continue
+        head = load_heads(heads, model, None, lookup)
+        paths = G.resolve_tree(model, head, heads, tree, "cpu", "default" if compiled else None, d)
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, paths or [[0]])
+        G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
+        if paths is None:  # auto chose plain decoding: its AR row above is the figure
+            continue
+        spec = compile_step(lambda h, t, k, P, m=model, dr=draft, a=accept: G.spec_step(m, dr, a, h, t, k, P), "cpu")
+        label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
+        engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth: bench.ours(m, hd, s, p, dp, n)
+    results = bench.side_by_side(engines, runs)
+    ref = next(iter(results.values()))
+    return [(name, sorted(r for r, _ in res)[len(res) // 2], res[-1][1], bench.ratio(res, ref))
+            for name, res in results.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", help="int8 (symmetric per output channel) or int4 (asymmetric groupwise)")
@@ -320,8 +355,26 @@ def main(argv=None):
                                                            "the bf16 model (--checkpoint, default the embedded one)")
     p.add_argument("--data", default="data/selfdistill.npz", help="--eval: sequences; the last 134 are held out")
     p.add_argument("--n", type=int, default=24, help="--eval: held-out sequences to score")
+    p.add_argument("--speed", nargs="+", metavar="DIR", help="compiled decode speed of quantized checkpoints "
+                   "beside the bf16 model's (--checkpoint), side by side in one run")
+    p.add_argument("--heads", default=None, help="--speed: also speculative decoding with these heads")
+    p.add_argument("--lookup", type=int, default=0, help="--speed: the heads' prompt-lookup branch (N-gram)")
+    p.add_argument("--tree", default="tree16", help="--speed: the heads' tree (auto: chosen for each base)")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
     try:
+        if args.speed:
+            import generate as G
+            rows = speed(args.speed, args.checkpoint, args.heads, args.lookup, args.tree, args.max_new_tokens,
+                         args.runs)
+            print(f"\ncompiled decoding, bf16 activations, story prompt of bench.py, {args.max_new_tokens} new tokens, "
+                  f"median of {args.runs} interleaved runs, {G.machine('cpu')}, {torch.get_num_threads()} threads")
+            print(f"| engine | tok/s | tau | vs {rows[0][0]} |\n|---|---|---|---|")
+            for name, rate, tau, vs in rows:
+                print(f"| {name} | {rate:.1f} | {tau:.2f} | {vs:.2f}x |")
+            print("command: python quantize.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv)))
+            return
         if args.eval:
             rows, n, positions = evaluate(args.eval, args.checkpoint, args.data, args.n)
             print(f"\n`python quantize.py --eval {' '.join(args.eval)} --n {args.n}`: {n} held-out sequences of "

@@ -29,7 +29,7 @@ from distill import read_data
 from generate import check_device
 from heads import Eagle, Hydra, Medusa, save_heads, set_draft_vocab
 from model import ModelArgs
-from trees import MEDUSA_TREES, best_paths, prefix_counts, tree_tau
+from trees import MEDUSA_TREES, best_paths, lookup_counts, prefix_counts, tree_tau
 
 RANKS = 10  # held-out ranks are told apart up to here: Medusa's trees take a head's top 10 at most
 
@@ -313,6 +313,15 @@ def lr_at(step: int, total: int, warmup: int, lr: float, min_ratio: float = 0.1)
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def lookup_acceptance(seqs, plens, ids, ns=(1, 2, 3, 4), depth: int = 8) -> dict:
+    """How prompt lookup (--lookup N) fares on these sequences' answers: for each N, at how many
+    roots its chain's first j tokens are right (trees.lookup_counts), for --tree auto."""
+    roots = sum(len(seqs[i]) - 1 - plens[i] for i in ids)
+    counts = {str(n): [sum(c) for c in zip(*[lookup_counts([int(x) for x in seqs[i]], plens[i], n, depth)
+                                              for i in ids])] for n in ns}
+    return {"roots": roots, "counts": counts}
+
+
 def draft_vocab(seqs, plens, ids, V: int, size: int):
     """The `size` most frequent answer tokens of the training split (FR-Spec / EAGLE-3): d2t [V'] maps a
     draft id to its token (ascending ids), t2d [V] maps back (-1: not in the draft vocab)."""
@@ -507,7 +516,8 @@ def train(args):
     # held-out roots start with each of the most frequent index paths
     top = best_paths(prefixes, 512)
     (out / "acceptance.json").write_text(json.dumps(
-        {"roots": int(ranks.shape[0]), "paths": top, "counts": [prefixes[tuple(p)] for p in top]}) + "\n")
+        {"roots": int(ranks.shape[0]), "paths": top, "counts": [prefixes[tuple(p)] for p in top],
+         "lookup": lookup_acceptance(seqs, plens, hold_ids)}) + "\n")
     if paths:
         (out / "tree.json").write_text(json.dumps(paths))
     else:  # no head ever drafted a held-out token right: no tree, and none left from an earlier run

@@ -96,6 +96,30 @@ def prefix_counts(ranks: Tensor, top: int = 10) -> dict:
     return counts
 
 
+def lookup_counts(seq: list, start: int, n: int = 3, depth: int = 4) -> list:
+    """Prompt lookup (heads.NGram) replayed on a known sequence: at each root t >= start (seq[t]
+    just emitted), the chain it proposes (what followed the latest earlier match of the longest of
+    the last n..1 tokens) and how many of its first `depth` tokens are right. Returns [c_1..c_depth]:
+    how many roots get at least j right, over len(seq) - 1 - start roots."""
+    last = [dict() for _ in range(n + 1)]        # g -> {g tokens: where the latest match ends}
+    hits = [0] * depth
+    for t in range(len(seq) - 1):
+        for g in range(1, n + 1):                # matches end before t: the g-grams ending at t - 1
+            if t - g >= 0:
+                last[g][tuple(seq[t - g:t])] = t - 1
+        if t < start:
+            continue
+        end = next((last[g].get(tuple(seq[t - g + 1:t + 1])) for g in range(n, 0, -1)
+                    if t - g + 1 >= 0 and tuple(seq[t - g + 1:t + 1]) in last[g]), None)
+        if end is None:
+            continue
+        for j in range(depth):                   # the engine reads past the root as the root itself
+            if t + 1 + j >= len(seq) or seq[min(end + 1 + j, t)] != seq[t + 1 + j]:
+                break
+            hits[j] += 1
+    return hits
+
+
 def best_paths(counts: dict, size: int, max_depth: int = 0) -> list:
     """The `size` most frequent paths (at most max_depth long, 0: any), ties to the shorter: a
     prefix is at least as frequent as its extensions, so they are a tree, and the best one of
@@ -124,16 +148,20 @@ def interpolate(costs: dict, n: int) -> float:
 
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
-                lookup: bool = False) -> dict:
+                lookup: bool = False, lookup_hits: Optional[list] = None) -> dict:
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
     machine: for every size n and depth limit d, the best tree (best_paths) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
     t_verify(1) a token for plain decoding. counts, roots: the head's held-out prefix counts
     (prefix_counts) over `roots` roots. t_verify {N: s}: a base forward over N tree rows;
     t_draft {depth: s}: the head's draft of that many levels (both read by `interpolate`). lookup: a prompt-lookup chain as
-    deep as the tree rides along (its nodes are paid for; its acceptance is not counted, so the
-    choice is conservative). Returns dict(paths (None: plain decoding), nodes, depth, tau,
-    speedup: predicted, against plain decoding), plus `candidates`, the best of each size."""
+    deep as the tree rides along: its nodes are paid for, and with lookup_hits [b_1, b_2, ...] (the
+    fraction of roots where its first j tokens are right, lookup_counts) counted too, as if the two
+    branches erred independently: a step gets j tokens past the root unless both miss there, so
+    tau = 1 + sum_j (1 - (1 - a_j)(1 - b_j)), a_j the tree's fraction of roots accepted to depth j
+    (without lookup_hits the choice is conservative). Returns dict(paths (None: plain decoding),
+    nodes, depth, tau, speedup: predicted, against plain decoding), plus `candidates`, the best of
+    each size."""
     t_ar = interpolate(t_verify, 1)
     best = dict(paths=None, nodes=1, depth=0, tau=1.0, speedup=1.0)
     candidates = []
@@ -146,7 +174,12 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
             nodes = n + 1 + (depth if lookup else 0)
             if nodes > max_nodes or depth != d:  # depth < d: the same tree as under a smaller limit
                 continue
-            tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
+            if lookup and lookup_hits:
+                a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
+                b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
+                tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b))
+            else:
+                tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
             speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes))
             cand = dict(paths=paths, nodes=nodes, depth=depth, tau=tau, speedup=speedup)
             candidates.append(cand)

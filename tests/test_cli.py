@@ -146,3 +146,29 @@ def test_near_tie():
     assert bench.near_tie(model, ids, common + [second], common + [first], torch.bfloat16)[3] == "ar"
     assert bench.near_tie(model, ids, common + [second], common + [third], torch.bfloat16)[3] == "other"
     assert bench.near_tie(model, ids, common, common + [first], torch.bfloat16) is None
+
+
+def test_spec_bench_runs_several_trees_against_one_autoregressive_decode(default_model, tmp_path):
+    """bench.py --spec_bench with several --tree values: each tree decodes every question, the
+    question's one autoregressive decode is the reference of all (same output, its time)."""
+    import bench
+    import generate as G
+    from heads import load_heads
+    model, tok = default_model
+    qs = tmp_path / "q.jsonl"
+    qs.write_text("\n".join(json.dumps(dict(category=c, turns=[t])) for c, t in [
+        ("lists", "List the days of the week, each with one sentence about it."), ("math", "What is 12 times 13?")]))
+    head = load_heads("ngram", model)
+    specs = []
+    for tree in ("chain4", [[0]]):
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+        specs.append((str(tree), lambda h, t, k, P, d=draft, a=accept: G.spec_step(model, d, a, h, t, k, P), depth))
+    G.setup_caches(model, head, G.cache_size(64, 24, 8, model.args.max_seq_len), 8)
+    res = bench.spec_bench(model, tok, head, specs, lambda t, pos: G.ar_step(model, t, pos), qs, 1, 24, 64,
+                           speed=True)
+    assert list(res) == ["chain4", "[[0]]"] and all(list(r) == ["lists", "math"] for r in res.values())
+    for r in res.values():
+        assert all(c["same"] == c["q"] == 1 and c["tokens"] > 0 and c["t_ar"] > 0 for c in r.values())
+    # one AR decode per question: the same reference time in both trees' records
+    assert [c["t_ar"] for c in res["chain4"].values()] == [c["t_ar"] for c in res["[[0]]"].values()]
+    assert res["chain4"]["lists"]["steps"] < res["[[0]]"]["lists"]["steps"]  # the deeper chain takes fewer steps

@@ -34,6 +34,25 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert proposal(ng, [1, 2, 3, 4]) == [-1, -1, -1, -1]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_lookup_counts_replay_the_drafter(seed):
+    """trees.lookup_counts (what --tree auto expects of the lookup branch) against NGram itself."""
+    from trees import lookup_counts
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, 6, (40,), generator=g).tolist()       # a small vocab: many matches, some long
+    ng, depth, start = NGram(vocab_size=6, n=3), 4, 5
+    want = [0] * depth
+    for t in range(start, len(seq) - 1):
+        right = 0
+        for a, b in zip(proposal(ng, seq[:t + 1], depth), seq[t + 1:]):
+            if a != b:
+                break
+            right += 1
+        for j in range(right):
+            want[j] += 1
+    assert lookup_counts(seq, start, 3, depth) == want and want[0] > 0
+
+
 def speculative_tau(model, tok, head, tree, text, n=64, dynamic=None):
     """Greedy speculative decoding of a chat prompt; asserts it equals autoregressive decoding; -> tau."""
     draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic)

@@ -199,6 +199,16 @@ def test_compiled_step_on_a_quantized_model_compiles_fullgraph(tiny, tmp_path, n
     torch._dynamo.reset()
 
 
+def test_speed_times_each_base_side_by_side(tiny, tmp_path):
+    """quantize.py --speed: the float base and a quantized one, AR and speculative (prompt lookup on
+    chain4), measured in turns (eager here: the compiled runs are the benchmark's)."""
+    out = Q.write_quantized(tiny, tmp_path / "q", "int8")
+    rows = Q.speed([out], tiny, heads="ngram", tree="chain4", n=8, runs=2, compiled=False)
+    names = [r[0] for r in rows]
+    assert names == [f"{tiny}, AR", f"{tiny}, ngram chain4", f"{out}, AR", f"{out}, ngram chain4"]
+    assert all(rate > 0 and tau >= 1 for _, rate, tau, _ in rows) and rows[0][3] == 1.0
+
+
 # ---------------------------------------------------------------- bad input
 
 def run_quantize(*args):

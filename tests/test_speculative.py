@@ -644,14 +644,16 @@ def test_eagle_draft_nodes_see_exactly_their_path(n, lookup):
 
 def test_step_costs_are_measured_once_per_key(tmp_path):
     calls = []
-    measure = lambda: calls.append(1) or ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
+    measure = lambda rows: calls.append(rows) or {n: 0.01 * n for n in rows}
     key = dict(machine="m", dtype="torch.bfloat16", heads="/h", weights=[("w.safetensors", 10, 123)])
-    assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002})
-    assert G.cached_costs(key, measure, tmp_path) == ({1: 0.01, 8: 0.02}, {1: 0.001, 2: 0.002}) and len(calls) == 1
-    G.cached_costs({**key, "dtype": "torch.float32"}, measure, tmp_path)   # another key: measured again
+    assert G.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08}
+    assert G.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1
+    assert G.cached_costs(key, (8,), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1  # a subset
+    G.cached_costs({**key, "dtype": "torch.float32"}, (1, 8), measure, tmp_path)   # another key: measured again
     assert len(calls) == 2
-    G.cached_costs(key, measure, tmp_path)
-    assert len(calls) == 2
+    # more rows than cached: all of them measured again, in one run, and kept beside the others
+    assert G.cached_costs(key, (1, 2), measure, tmp_path) == {1: 0.01, 2: 0.02, 8: 0.08} and calls[-1] == [1, 2]
+    assert G.cached_costs(key, (1, 2, 8), measure, tmp_path) and len(calls) == 3
 
 
 @pytest.mark.parametrize("kind", ["eagle", "hydra"])
@@ -672,6 +674,15 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     assert list((tmp_path / "cache").glob("step-costs-*.json"))
     monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree
+    # another head on the same base: only its draft levels are timed, verification's costs are shared
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "acceptance.json").write_text((folder / "acceptance.json").read_text())
+    timed = []
+    monkeypatch.setattr(G, "step_costs", lambda m, h, c, rows=G.ROWS, depths=G.DEPTHS, **k:
+                        timed.append(list(rows)) or ({}, {d: 1e-3 * d for d in depths}))
+    G.resolve_tree(model, head, other, "auto", "cpu")
+    assert timed == [[]]
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
     if tree is not None:
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)

@@ -283,6 +283,21 @@ def test_choose_tree_follows_the_costs():
     assert shallow["depth"] == 2                                                    # deep levels too dear
 
 
+def test_choose_tree_counts_the_lookup_branch():
+    """With the lookup branch's hit rates, a step gets j tokens unless both branches miss there."""
+    ranks = torch.tensor([[0, 0, 0, 1]] * 50 + [[0, 1, 0, 0]] * 20 + [[1, 0, 2, 0]] * 20 + [[-1, 0, 0, 0]] * 10)
+    counts, roots = T.prefix_counts(ranks, 3), ranks.shape[0]
+    t_verify, t_draft = {1: 1.0, 64: 1.5}, {1: 0.02, 4: 0.08}
+    paid = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True)
+    assert T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=[0.0] * 4) == paid
+    hits = [0.5, 0.4, 0.3, 0.2]
+    both = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=hits)
+    for c in both["candidates"]:
+        a = [sum(counts[tuple(p)] for p in c["paths"] if len(p) == j) / roots for j in range(1, c["depth"] + 1)]
+        assert c["tau"] == pytest.approx(1 + sum(x + y - x * y for x, y in zip(a, hits)))
+    assert both["tau"] > paid["tau"] and both["speedup"] > paid["speedup"]
+
+
 @FAST
 @given(measured_ranks(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3), st.floats(0.0, 0.5), st.booleans())
 def test_choose_tree_is_the_fastest_tree_by_brute_force(ranks, rows, level, lookup):
