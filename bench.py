@@ -40,6 +40,7 @@ def write_json(path, kind: str, args, **results):
     record = dict(kind=kind, date=datetime.date.today().isoformat(), machine=G.machine(args.device),
                   threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype,
                   max_new_tokens=args.max_new_tokens, heads=args.heads, lookup=args.lookup,
+                  checkpoint=getattr(args, "checkpoint", None),
                   command="python " + " ".join(sys.argv), **results)
     Path(path).write_text(json.dumps(record, indent=1) + "\n")
     print(f"results: {path}")

@@ -5,9 +5,9 @@
     python plots.py docs/results/rows-*.json             # cost of N verified rows against one row
     python plots.py FILE... --out docs/img
 
-Each kind of result goes into one PNG in --out: `tau_per_category.png` (spec_bench runs),
-`speedup_vs_tree.png` (speed runs), `rows_cost.png` (`--rows` runs); the runs' dates and machines
-go in the titles and legends.
+Each kind of result goes into one PNG in --out: `tau_per_category.png` (spec_bench runs of tau),
+`speedup_per_category.png` (spec_bench runs with --speed: each tree's speed-up), `speedup_vs_tree.png`
+(speed runs), `rows_cost.png` (`--rows` runs); the runs' dates and machines go in the titles and legends.
 matplotlib is for plots only (requirements-plots.txt), never imported by the engine.
 """
 import argparse
@@ -18,13 +18,12 @@ from pathlib import Path
 
 def label(r: dict) -> str:
     heads = Path(r["heads"]).name.removesuffix("-smollm2") if r.get("heads") else "AR"
-    return heads + (" + lookup" if r.get("lookup") else "") + (f", {r['tree']}" if r.get("tree") else "")
+    base = f" on {Path(r['checkpoint']).name.removeprefix('smollm2-')}" if r.get("checkpoint") else ""
+    return heads + (" + lookup" if r.get("lookup") else "") + base + (f", {r['tree']}" if r.get("tree") else "")
 
 
-def when_where(runs: list) -> str:
-    dates = sorted({r["date"] for r in runs})
-    machines = sorted({r["machine"] for r in runs})
-    return f"{', '.join(dates)}; {', '.join(machines)}"
+def short(machine: str) -> str:
+    return machine.replace("Intel(R) Xeon(R) Processor", "Xeon").replace("family 6 model ", "model ")
 
 
 def save(fig, path: Path) -> Path:
@@ -42,15 +41,37 @@ def tau_per_category(runs: list, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.75) + 2, 4))
     for i, r in enumerate(runs):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(cats))]
-        ax.bar(xs, [r["categories"].get(c, {}).get("tau", 0) for c in cats], width, label=label(r))
+        ax.bar(xs, [r["categories"].get(c, {}).get("tau", 0) for c in cats], width,
+               label=f"{label(r)} ({r['questions_per_category']} a category, {short(r['machine'])})")
     ax.set_xticks(range(len(cats)), cats, rotation=40, ha="right")
     ax.set_ylabel("tau (tokens per step)")
-    n = runs[0]["questions_per_category"]
-    ax.set_title(f"Spec-Bench, {n} question{'s' * (n > 1)} a category, {runs[0]['max_new_tokens']} new tokens, "
-                 f"greedy, {runs[0]['dtype']} ({when_where(runs)})", fontsize=9)
+    ax.set_title(f"Spec-Bench, {runs[0]['max_new_tokens']} new tokens, greedy, {runs[0]['dtype']} "
+                 f"({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return save(fig, out / "tau_per_category.png")
+
+
+def speedup_per_category(runs: list, out: Path) -> Path:
+    """Spec-Bench speed runs (--speed): one bar per tree of each run, speculative over AR tokens/s."""
+    import matplotlib.pyplot as plt
+    series = [(f"{label({**r, 'tree': t['tree']})} ({t['nodes']} nodes), {short(r['machine'])}", t["categories"])
+              for r in runs for t in r.get("trees") or [dict(tree=r["tree"], nodes=r["nodes"], categories=r["categories"])]]
+    cats = list(series[0][1])
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.75) + 3, 4))
+    for i, (name, cs) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cats))]
+        ax.bar(xs, [cs.get(c, {}).get("speedup", 0) for c in cats], width, label=name)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xticks(range(len(cats)), cats, rotation=40, ha="right")
+    ax.set_ylabel("speed-up over compiled AR decoding")
+    n = sorted({r["questions_per_category"] for r in runs})
+    ax.set_title(f"Spec-Bench, {'/'.join(map(str, n))} question(s) a category, {runs[0]['max_new_tokens']} new tokens, "
+                 f"greedy, {runs[0]['dtype']}, compiled ({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return save(fig, out / "speedup_per_category.png")
 
 
 def speedup_vs_tree(runs: list, out: Path) -> Path:
@@ -58,7 +79,7 @@ def speedup_vs_tree(runs: list, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
         pts = sorted((e["nodes"], e["vs_compiled_ar"], e["tree"]) for e in r["engines"] if e["tree"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label({**r, 'tree': None})}, {r['machine']}")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label({**r, 'tree': None})}, {short(r['machine'])}")
         for x, y, tree in pts:
             ax.annotate(tree, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhline(1.0, color="gray", lw=1, ls="--", label="compiled AR decoding")
@@ -80,7 +101,7 @@ def rows_cost(runs: list, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
         v = {int(n): t for n, t in r["verify_s"].items()}
-        ax.plot(list(v), [t / v[1] for t in v.values()], "o-", label=f"{r['machine']}, {r['dtype']}, {r['date']}")
+        ax.plot(list(v), [t / v[1] for t in v.values()], "o-", label=f"{short(r['machine'])}, {r['dtype']}, {r['date']}")
     ax.plot([1, 64], [1, 64], color="gray", lw=1, ls=":", label="N one-row forwards")
     ax.axhline(1.0, color="gray", lw=1, ls="--", label="one row (the memory bound)")
     ax.set_xscale("log", base=2)
@@ -126,8 +147,15 @@ def main(argv=None):
         sys.exit(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Spec-Bench runs that timed the trees draw speed-ups; the others (tau only) draw tau
+    spec_bench = runs.pop("spec_bench", [])
+    runs["spec_bench"] = [r for r in spec_bench if not r.get("speed")]
+    timed = [r for r in spec_bench if r.get("speed")]
     for kind, rs in runs.items():
-        print(PLOTS[kind](rs, out))
+        if rs:
+            print(PLOTS[kind](rs, out))
+    if timed:
+        print(speedup_per_category(timed, out))
 
 
 if __name__ == "__main__":

@@ -27,12 +27,18 @@ def test_json_to_png(tmp_path):
     bench.write_json(tmp_path / "speed.json", "speed", bench_args(), prompt_tokens=40, runs=3, engines=engines)
     bench.write_json(tmp_path / "rows.json", "rows", bench_args(), verify_s={1: 0.01, 8: 0.014, 64: 0.09},
                      draft_s={1: 0.002, 2: 0.004})
+    timed = {c: {**v, "speedup": 1.2} for c, v in cats.items()}
+    bench.write_json(tmp_path / "sb.json", "spec_bench", bench_args(checkpoint="ckpt/smollm2-int8"), tree="auto",
+                     nodes=9, questions_per_category=2, speed=True, categories=timed,
+                     trees=[dict(tree="auto", nodes=9, categories=timed), dict(tree="tree16", nodes=20, categories=timed)])
     rec = json.loads((tmp_path / "speed.json").read_text())
     assert rec["kind"] == "speed" and rec["machine"] and rec["date"] and rec["command"].startswith("python")
 
     out = tmp_path / "img"
-    plots.main([str(tmp_path / f) for f in ("tau.json", "tau2.json", "speed.json", "rows.json")] + ["--out", str(out)])
-    for name in ("tau_per_category.png", "speedup_vs_tree.png", "rows_cost.png"):
+    plots.main([str(tmp_path / f) for f in ("tau.json", "tau2.json", "speed.json", "rows.json", "sb.json")]
+               + ["--out", str(out)])
+    assert plots.label(json.loads((tmp_path / "sb.json").read_text())) == "eagle + lookup on int8, auto"
+    for name in ("tau_per_category.png", "speedup_vs_tree.png", "rows_cost.png", "speedup_per_category.png"):
         png = (out / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
