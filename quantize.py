@@ -17,6 +17,7 @@ Q4_1's form). The kernels' packed forms are made at load time for the device.
 import argparse
 import json
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -330,16 +331,17 @@ def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs
             continue
         head = load_heads(heads, model, None, lookup)
         paths = G.resolve_tree(model, head, heads, tree, "cpu", "default" if compiled else None, d)
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, paths or [[0]])
-        G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
         if paths is None:  # auto chose plain decoding: its AR row above is the figure
+            G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
             continue
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
+        G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
         spec = compile_step(lambda h, t, k, P, m=model, dr=draft, a=accept: G.spec_step(m, dr, a, h, t, k, P), "cpu")
         label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
         engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth: bench.ours(m, hd, s, p, dp, n)
     results = bench.side_by_side(engines, runs)
     ref = next(iter(results.values()))
-    return [(name, sorted(r for r, _ in res)[len(res) // 2], res[-1][1], bench.ratio(res, ref))
+    return [(name, statistics.median(r for r, _ in res), res[-1][1], bench.ratio(res, ref))
             for name, res in results.items()]
 
 

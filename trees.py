@@ -159,7 +159,8 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     fraction of roots where its first j tokens are right, lookup_counts) counted too, as if the two
     branches erred independently: a step gets j tokens past the root unless both miss there, so
     tau = 1 + sum_j (1 - (1 - a_j)(1 - b_j)), a_j the tree's fraction of roots accepted to depth j
-    (without lookup_hits the choice is conservative). Returns dict(paths (None: plain decoding),
+    (without lookup_hits the choice is conservative; with them the candidates are still the head's
+    most frequent prefixes, so the brute-force optimum is promised only without). Returns dict(paths (None: plain decoding),
     nodes, depth, tau, speedup: predicted, against plain decoding), plus `candidates`, the best of
     each size."""
     t_ar = interpolate(t_verify, 1)
