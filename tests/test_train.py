@@ -90,6 +90,11 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     paths = json.loads((out / "tree.json").read_text())
     assert 1 + sum(counts[tuple(p)] for p in paths) / acc["roots"] == pytest.approx(fit["heldout_tau"], abs=1e-3)
+    # and prompt lookup's acceptance on the same held-out answers: j right tokens imply j - 1
+    lk = acc["lookup"]
+    for n, c in lk["counts"].items():
+        assert len(c) == 8 and all(a >= b for a, b in zip(c, c[1:])) and c[0] <= lk["roots"], (n, c)
+    assert lk["counts"]["3"][0] > 0
 
 
 def test_tree_size_is_checked(tiny, dataset, tmp_path, capsys):
