@@ -52,11 +52,12 @@ def once(fn):
     return time.perf_counter() - t0
 
 
-def ours(model, head, step, prompt, depth, n):
-    """One measurement: (decode tokens/s, tau). Decode time = time for n tokens minus time for 1."""
+def ours(model, head, step, prompt, depth, n, rows=1):
+    """One measurement: (decode tokens/s, tau). Decode time = time for n tokens minus time for 1.
+    rows: the cache slots a step writes (the tree's nodes), for the live span it attends."""
     def run(k):
         first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-        run.out = G.decode(step, state, first, k, eos_id=None)
+        run.out = G.decode(step, state, first, k, eos_id=None, span=(G.live_span(model, rows), len(prompt)))
         run.steps = G.decode.steps
     with torch.inference_mode():
         t_n = once(lambda: run(n))
@@ -127,7 +128,7 @@ def near_tie(ref, ids, spec_out, ar_out, dtype):
 
 def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prompt, speed=False, ref=None):
     """Greedy speculative decoding on the first questions of each Spec-Bench category (evaluation
-    only), with each of specs [(name, step, depth)], one after the other on each question. speed:
+    only), with each of specs [(name, step, depth, nodes)], one after the other on each question. speed:
     also decode each question autoregressively (step `ar`), once, timing every decode loop side by
     side (prefill excluded), and compare each output with it token for token; ref: an fp32 copy of
     the base, to judge where they differ (near_tie).
@@ -143,34 +144,35 @@ def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prom
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
 
-    def decode(step, h, ids, d):
+    def decode(step, h, ids, d, rows):
         with torch.inference_mode():
             first, state = G.start(model, h, torch.tensor(ids, device=dev), d, dict(temperature=0.0))
+            span = G.live_span(model, rows)
             sync()
             t0 = time.perf_counter()
-            out = G.decode(step, state, first, n, tok.eos_id)
+            out = G.decode(step, state, first, n, tok.eos_id, span=(span, len(ids)))
             sync()
             return out, G.decode.steps, time.perf_counter() - t0
 
     if speed:  # compile and record (CUDA graphs) outside the timed runs
         t0 = time.perf_counter()
         ids = next(iter(by_cat.values()))[0]
-        for _, spec, depth in specs:
-            decode(spec, head, ids, depth)
-        decode(ar, None, ids, 0)
+        for _, spec, depth, nodes in specs:
+            decode(spec, head, ids, depth, nodes)
+        decode(ar, None, ids, 0, 1)
         print(f"compiled and warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    out = {name: {} for name, _, _ in specs}
+    out = {name: {} for name, *_ in specs}
     for cat, prompts in by_cat.items():
         rs = {name: dict(q=len(prompts), tokens=0, steps=0, t_spec=0.0, tokens_ar=0, t_ar=0.0, same=0, ties=[])
               for name in out}
         for ids in prompts:
             outs = {}
-            for name, spec, depth in specs:
-                o, steps, t = outs[name] = decode(spec, head, ids, depth)
+            for name, spec, depth, nodes in specs:
+                o, steps, t = outs[name] = decode(spec, head, ids, depth, nodes)
                 r = rs[name]
                 r["tokens"], r["steps"], r["t_spec"] = r["tokens"] + len(o) - 1, r["steps"] + steps, r["t_spec"] + t
             if speed:
-                o_ar, _, t = decode(ar, None, ids, 0)
+                o_ar, _, t = decode(ar, None, ids, 0, 1)
                 for name, r in rs.items():
                     o = outs[name][0]
                     r["tokens_ar"], r["t_ar"] = r["tokens_ar"] + len(o_ar) - 1, r["t_ar"] + t
@@ -260,8 +262,8 @@ def run(args):
         if args.spec_bench and not specs:
             raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
     nodes, scratch = max([s[4] for s in specs], default=1), max([s[5] for s in specs], default=0)
-    spec_of = lambda draft, accept: lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P)
-    ar = lambda t, pos: G.ar_step(model, t, pos)
+    spec_of = lambda draft, accept: lambda h, t, k, P, span=None: G.spec_step(model, draft, accept, h, t, k, P, span)
+    ar = lambda t, pos, span=None: G.ar_step(model, t, pos, span=span)
     compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
     if args.rows:
         # the same measurement as --tree auto's, read from (and kept in) its cache
@@ -287,9 +289,9 @@ def run(args):
         # one cache for every question (what a question leaves in it past its own length is masked),
         # so that compiled steps are compiled once
         G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
-        steps = [(name, spec_of(draft, accept), depth) for name, draft, accept, depth, _, _ in specs]
+        steps = [(name, spec_of(draft, accept), depth, nodes) for name, draft, accept, depth, nodes, _ in specs]
         if args.compile or args.speed:
-            steps, ar = [(name, compiled(step), depth) for name, step, depth in steps], compiled(ar)
+            steps, ar = [(name, compiled(step), *rest) for name, step, *rest in steps], compiled(ar)
         ref = None
         if args.ties:  # an fp32 copy of the base judges where the outputs differ
             ref, _ = load_model(args.checkpoint, device, torch.float32)
@@ -343,8 +345,8 @@ def run(args):
     tree_of = {}  # engine name -> (tree, nodes)
     for tree, draft, accept, depth, nodes, _ in specs:
         name = f"ours, compiled, {type(head).__name__} {tree}"
-        engines[name] = (lambda step, d: lambda: ours(model, head, step, prompt, d, n))(
-            compiled(spec_of(draft, accept)), depth)
+        engines[name] = (lambda step, d, r: lambda: ours(model, head, step, prompt, d, n, r))(
+            compiled(spec_of(draft, accept)), depth, nodes)
         tree_of[name] = (tree, nodes)
     if not args.skip_hf:
         engines["transformers generate"] = hf(dtype, device, prompt, n)

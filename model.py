@@ -42,7 +42,10 @@ class ModelArgs:
 class KVCache(nn.Module):
     def __init__(self, batch: int, n_kv_head: int, max_seq_len: int, head_dim: int, dtype, device=None):
         super().__init__()
-        shape = (batch, n_kv_head, max_seq_len, head_dim)
+        # one slot more than a step ever writes or reads: a step attends slots [0, L) with L <= max_seq_len,
+        # so the slice k[:, :, :L] is never the whole tensor, which a compiled graph with L symbolic
+        # would otherwise guard on (a second graph for L == max_seq_len)
+        shape = (batch, n_kv_head, max_seq_len + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -93,8 +96,8 @@ class Transformer(nn.Module):
         """idx: [B, T] tokens; input_pos: [T] RoPE positions.
         cache_pos: [T] cache slots to write (default input_pos; a tree writes node i at slot
         cache_len + i while its position is cache_len + depth).
-        mask: bool [T, max_seq_len] or [B, 1, T, max_seq_len], True = may attend to that slot
-        (default causal on cache_pos).
+        mask: bool [T, L] or [B, 1, T, L], True = may attend to that slot; attention reads only the
+        first L <= max_seq_len cache slots (default L = max_seq_len, causal on cache_pos).
         Returns logits [B, T, V], and with return_hidden also the last hidden states
         before and after the final norm, each [B, T, dim]."""
         if cache_pos is None:
@@ -143,7 +146,9 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
         k = apply_rotary_emb(k.view(B, T, self.n_kv_head, self.head_dim), freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        k, v = self.kv_cache.update(cache_pos, k, v)  # [B, H_kv, S, D]
+        k, v = self.kv_cache.update(cache_pos, k, v)
+        L = mask.shape[-1]  # the live slots: attention costs what the prefix costs, not the static cache
+        k, v = k[:, :, :L], v[:, :, :L]  # [B, H_kv, L, D]
         if T > 1:  # prefill, verification, EAGLE's draft rows; grouped, 3-5 rows ran 1.4-1.9x faster, 8-32 mixed
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
             return self.wo(y.transpose(1, 2).reshape(B, T, q_size))

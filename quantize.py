@@ -15,6 +15,7 @@ holds a device-independent form: int8 weights [N, K] + scales [N] (w = q * scale
 Q4_1's form). The kernels' packed forms are made at load time for the device.
 """
 import argparse
+import importlib.util
 import json
 import shutil
 import statistics
@@ -310,12 +311,35 @@ def evaluate(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=1
     return rows, len(held), positions
 
 
-def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs=5, compiled=True):
+def llama_cpp(gguf, prompt, n: int):
+    """llama.cpp's greedy decode on a GGUF through llama-cpp-python (installed for the benchmark only,
+    never a dependency of the engine), measured as bench.ours measures ours: the time of n new tokens
+    minus the time of 1, on the same prompt ids, this process's threads. Returns measure() -> (tokens/s, 1.0)."""
+    import bench
+    from llama_cpp import Llama
+    threads = torch.get_num_threads()
+    llm = Llama(str(gguf), n_ctx=-(-(len(prompt) + n) // 256) * 256, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    ids = [int(t) for t in prompt]
+
+    def run(k):
+        llm.reset()
+        llm.eval(ids)
+        for _ in range(k - 1):  # the prompt's next token is the first; each further one is a one-token eval
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+
+    def measure():
+        t_n = bench.once(lambda: run(n))
+        return (n - 1) / (t_n - bench.once(lambda: run(1))), 1.0
+    return measure
+
+
+def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs=5, compiled=True, gguf=None):
     """Compiled decode tokens/s (bf16 activations) of the reference model and of each quantized
     checkpoint on bench.py's story prompt, side by side in one run (bench.side_by_side: in turns,
     round after round): autoregressive and, with heads, speculative on `tree` (auto: what --tree auto
-    picks for each base, timed on first use). compiled=False: eager (tests). Returns [(name, tokens/s,
-    tau, vs the reference's AR)]."""
+    picks for each base, timed on first use); with gguf also llama.cpp's decoding of that file.
+    compiled=False: eager (tests). Returns [(name, tokens/s, tau, vs the reference's AR)]."""
     import bench
     import generate as G
     from heads import load_heads
@@ -324,7 +348,7 @@ def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs
         model, tok = C.load_model(d, "cpu", torch.bfloat16)
         prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": bench.PROMPT}])))
         name = str(d or "bf16")
-        ar = compile_step(lambda t, pos, m=model: G.ar_step(m, t, pos), "cpu")
+        ar = compile_step(lambda t, pos, span=None, m=model: G.ar_step(m, t, pos, span=span), "cpu")
         engines[f"{name}, AR"] = lambda m=model, s=ar, p=prompt: bench.ours(m, None, s, p, 0, n)
         if not heads:
             G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
@@ -336,9 +360,12 @@ def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs
             continue
         draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
         G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
-        spec = compile_step(lambda h, t, k, P, m=model, dr=draft, a=accept: G.spec_step(m, dr, a, h, t, k, P), "cpu")
+        spec = compile_step(lambda h, t, k, P, span=None, m=model, dr=draft, a=accept:
+                            G.spec_step(m, dr, a, h, t, k, P, span), "cpu")
         label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
-        engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth: bench.ours(m, hd, s, p, dp, n)
+        engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth, nd=nodes: bench.ours(m, hd, s, p, dp, n, nd)
+    if gguf:
+        engines[f"llama.cpp, {Path(gguf).name}"] = llama_cpp(gguf, prompt, n)
     results = bench.side_by_side(engines, runs)
     ref = next(iter(results.values()))
     return [(name, statistics.median(r for r, _ in res), res[-1][1], bench.ratio(res, ref))
@@ -362,14 +389,23 @@ def main(argv=None):
     p.add_argument("--heads", default=None, help="--speed: also speculative decoding with these heads")
     p.add_argument("--lookup", type=int, default=0, help="--speed: the heads' prompt-lookup branch (N-gram)")
     p.add_argument("--tree", default="tree16", help="--speed: the heads' tree (auto: chosen for each base)")
+    p.add_argument("--llama_cpp", nargs="?", const="default", default=None, metavar="GGUF",
+                   help="--speed: also llama.cpp on this GGUF (default: the embedded model's), through "
+                        "llama-cpp-python, which the benchmark needs and the engine never imports")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
     try:
         if args.speed:
             import generate as G
+            gguf = C.default_checkpoint() if args.llama_cpp == "default" else args.llama_cpp
+            if gguf and not Path(gguf).is_file():
+                raise ValueError(f"--llama_cpp {gguf}: no such GGUF file")
+            if gguf and importlib.util.find_spec("llama_cpp") is None:
+                raise ValueError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python: a benchmark "
+                                 "tool, not a dependency; it builds llama.cpp, about 15 minutes on 2 cores)")
             rows = speed(args.speed, args.checkpoint, args.heads, args.lookup, args.tree, args.max_new_tokens,
-                         args.runs)
+                         args.runs, gguf=gguf)
             print(f"\ncompiled decoding, bf16 activations, story prompt of bench.py, {args.max_new_tokens} new tokens, "
                   f"median of {args.runs} interleaved runs, {G.machine('cpu')}, {torch.get_num_threads()} threads")
             print(f"| engine | tok/s | tau | vs {rows[0][0]} |\n|---|---|---|---|")

@@ -162,10 +162,11 @@ def test_spec_bench_runs_several_trees_against_one_autoregressive_decode(default
     specs = []
     for tree in ("chain4", [[0]]):
         draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
-        specs.append((str(tree), lambda h, t, k, P, d=draft, a=accept: G.spec_step(model, d, a, h, t, k, P), depth))
+        specs.append((str(tree), lambda h, t, k, P, span=None, d=draft, a=accept:
+                      G.spec_step(model, d, a, h, t, k, P, span), depth, nodes))
     G.setup_caches(model, head, G.cache_size(64, 24, 8, model.args.max_seq_len), 8)
-    res = bench.spec_bench(model, tok, head, specs, lambda t, pos: G.ar_step(model, t, pos), qs, 1, 24, 64,
-                           speed=True)
+    res = bench.spec_bench(model, tok, head, specs, lambda t, pos, span=None: G.ar_step(model, t, pos, span=span),
+                           qs, 1, 24, 64, speed=True)
     assert list(res) == ["chain4", "[[0]]"] and all(list(r) == ["lists", "math"] for r in res.values())
     for r in res.values():
         assert all(c["same"] == c["q"] == 1 and c["tokens"] > 0 and c["t_ar"] > 0 for c in r.values())

@@ -154,20 +154,22 @@ def test_four_dim_mask_equals_two_dim_mask(tiny_model):
 
 # ---------------------------------------------------------------- compiled decode
 
-def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, monkeypatch):
+def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, no_recompiles):
+    """Compiled, attending the live span of the cache (one graph while the span grows past two
+    blocks), against eager over the whole cache."""
     model, tokenizer = default_model
     ids = torch.tensor(tokenizer.encode(tokenizer.chat([{"role": "user", "content": "Tell me about the sea."}]),
                                         bos=False))
     n = 64
     model.setup_caches(1, generate.cache_size(len(ids), n, 1, model.args.max_seq_len))
 
-    def run(step):
+    def run(step, span=None):
         with torch.inference_mode():
             token = prefill(model, ids)[0]
-            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None)
+            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None, span=span)
 
     eager = run(lambda t, p: ar_step(model, t, p))
-    compiled_step = generate.compile_step(lambda t, p: ar_step(model, t, p), "cpu", mode="default")
-    compiled = run(compiled_step)
+    compiled_step = generate.compile_step(lambda t, p, span: ar_step(model, t, p, span=span), "cpu", mode="default")
+    compiled = run(compiled_step, (generate.live_span(model, 1, block=32), len(ids)))
     assert len(eager) == n
     assert compiled == eager

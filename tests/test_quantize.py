@@ -221,7 +221,8 @@ def test_cli_errors_are_one_line_and_exit_2(tiny, tmp_path):
     cases = [(["--mode", "int3"], "unknown --mode int3"),
              (["--mode", "int4", "--groupsize", "128"], "does not divide the 64 in-features"),
              (["--mode", "int4", "--groupsize", "48"], "--groupsize 48 is not one of"),
-             (["--mode", "int8", "--checkpoint", done], "is already quantized")]
+             (["--mode", "int8", "--checkpoint", done], "is already quantized"),
+             (["--speed", done, "--llama_cpp", tmp_path / "none.gguf"], "no such GGUF file")]
     for extra, message in cases:
         args = ["--out", tmp_path / "x", *extra]
         if "--checkpoint" not in extra:
@@ -229,6 +230,25 @@ def test_cli_errors_are_one_line_and_exit_2(tiny, tmp_path):
         r = run_quantize(*args)
         assert r.returncode == 2, (extra, r.stderr)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+
+
+def test_llama_cpp_without_its_package_is_refused_before_any_work(tiny, monkeypatch, capsys):
+    """--llama_cpp needs llama-cpp-python, which the engine never depends on: one line, exit 2, before
+    any model is loaded or compiled."""
+    gguf = str(checkpoint.default_checkpoint())
+    monkeypatch.setattr(Q.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(Q, "speed", lambda *a, **k: pytest.fail("speed() ran"))
+    with pytest.raises(SystemExit) as e:
+        Q.main(["--speed", str(tiny), "--llama_cpp", gguf])
+    assert e.value.code == 2 and "needs llama-cpp-python" in capsys.readouterr().err
+
+
+def test_llama_cpp_engine_decodes_the_default_gguf():
+    """Where llama-cpp-python is installed (a benchmark tool, not in CI's requirements): the engine
+    quantize.py --speed --llama_cpp times runs greedy decoding on the embedded GGUF."""
+    pytest.importorskip("llama_cpp")
+    rate, tau = Q.llama_cpp(checkpoint.default_checkpoint(), torch.tensor([1, 504, 3437, 314]), 8)()
+    assert rate > 0 and tau == 1.0
 
 
 def test_a_device_without_the_kernels_is_refused(tiny, tmp_path, monkeypatch):

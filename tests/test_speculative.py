@@ -328,7 +328,8 @@ def test_bf16_eagle_oracle_diverges_only_at_bf16_near_ties(smol):
 
 def test_compiled_eagle_tree_step_equals_autoregressive(smol, monkeypatch, no_recompiles):
     """The whole EAGLE static tree10 step (draft with the head's cache, tree attention, accept,
-    compaction) under torch.compile(fullgraph=True): two prompts, one cache size, one graph."""
+    compaction) under torch.compile(fullgraph=True): two prompts, one cache size, one graph, whose
+    attention reads the live span of the cache (its length grows over the decode, the graph stays)."""
     import torch._dynamo
     model, eos = smol.model, smol.eos
     oracle = Oracle(smol.head("eagle"), model.args.vocab_size, seed=5)
@@ -337,14 +338,16 @@ def test_compiled_eagle_tree_step_equals_autoregressive(smol, monkeypatch, no_re
     draft, accept, depth, nodes, scratch = G.speculator(model, oracle, "tree10")
     S = max(len(smol.prompt(n)) for n in names) + max_new + nodes
     G.setup_caches(model, oracle, S, scratch)
-    step = G.compile_step(lambda h, t, n, P: G.spec_step(model, draft, accept, h, t, n, P), "cpu", mode="default")
+    step = G.compile_step(lambda h, t, n, P, span: G.spec_step(model, draft, accept, h, t, n, P, span), "cpu",
+                          mode="default")
+    span = G.live_span(model, nodes, block=16)
     taus = []
     for name in names:
         prompt, ref = smol.prompt(name), refs[name]
         oracle.set_truth(prompt.tolist() + ref)
         with torch.inference_mode():
             first, state = G.start(model, oracle, prompt, depth, dict(temperature=0.0))
-            out = G.decode(step, state, first, max_new, eos)
+            out = G.decode(step, state, first, max_new, eos, span=(span, len(prompt)))
         assert out == cut(ref, max_new, eos), name
         taus.append((len(out) - 1) / G.decode.steps)
     print(f"compiled EAGLE tree10 oracle: tau {', '.join(f'{t:.2f}' for t in taus)}")
