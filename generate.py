@@ -287,7 +287,15 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     lookup, hits = isinstance(head, WithLookup), None
     if lookup and str(head.ngram.n) in acc.get("lookup", {}).get("counts", {}):
         hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][str(head.ngram.n)]]
-    return choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
+    choice = choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
+    # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
+    # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed.
+    for _ in range(3):
+        if choice["paths"] is None or choice["nodes"] in t_verify:
+            break
+        t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(choice["nodes"],))
+        choice = choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
+    return choice
 
 
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):
