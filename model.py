@@ -156,8 +156,15 @@ class Attention(nn.Module):
         # kernel otherwise multiplies one row at a time (per layer at batch 64, 768 slots: 81 -> 19 ms)
         G = self.n_head // self.n_kv_head
         q = q.reshape(B, self.n_kv_head, G, self.head_dim)
-        mask = mask.expand(-1, -1, G, -1)                              # [B or 1, 1, G, S]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)    # [B, H_kv, G, D]
+        mask = mask.expand(-1, -1, G, -1)                              # [B or 1, 1, G, L]
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            # written out, inductor makes this one fused loop nest; SDPA's CPU kernel costs ~0.1 ms a call
+            # here, mostly its setup (30 layers, 512 slots, Zen 3: 1.9 ms against 2.7)
+            s = (q.float()[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * self.head_dim ** -0.5
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1)          # [B, H_kv, G, L]
+            y = (p[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
         return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_size))
 
 

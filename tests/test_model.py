@@ -173,3 +173,25 @@ def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, no
     compiled = run(compiled_step, (generate.live_span(model, 1, block=32), len(ids)))
     assert len(eager) == n
     assert compiled == eager
+
+
+def test_compiled_step_recompiles_for_longer_caches(tiny_model):
+    """compile_step drops Dynamo's guards on modules and weights (lean_guards) but keeps those on
+    buffers: caches re-allocated longer (a longer prompt) compile a second graph rather than run the
+    first one past its cache's end, and both graphs give eager's tokens."""
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    ids = torch.randint(0, tiny_model.args.vocab_size, (6,))
+    step = generate.compile_step(lambda t, p: ar_step(tiny_model, t, p), "cpu", mode="default")
+
+    def run(step, n):
+        tiny_model.setup_caches(1, len(ids) + n)
+        with torch.inference_mode():
+            token = prefill(tiny_model, ids)[0]
+            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None)
+
+    frames = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert run(step, 4) == run(lambda t, p: ar_step(tiny_model, t, p), 4)
+    graphs = frames()
+    assert run(step, 20) == run(lambda t, p: ar_step(tiny_model, t, p), 20)
+    assert frames() == graphs + 1
