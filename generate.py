@@ -163,6 +163,7 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
 # tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
 # CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
 ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
+ENGINE = ("model.py", "heads.py", "trees.py", "generate.py", "quantize.py")  # whose code the timings time
 
 
 def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20):
@@ -242,9 +243,10 @@ def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
 
 
 def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, heads_dir=None) -> dict:
-    """What a step part's cost depends on: the machine, the model, its dtype, the mode; for the
-    draft also the head's files and its lookup branch."""
-    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, device=device,
+    """What a step part's cost depends on: the machine, the model, its dtype, the mode, the engine's
+    code; for the draft also the head's files and its lookup branch."""
+    code = hashlib.sha1(b"".join((Path(__file__).parent / f).read_bytes() for f in ENGINE)).hexdigest()[:12]
+    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
                layers=model.args.n_layer, dim=model.args.dim, compiled=compile_mode)
     if head is None:
