@@ -264,7 +264,9 @@ def run(args):
     nodes, scratch = max([s[4] for s in specs], default=1), max([s[5] for s in specs], default=0)
     spec_of = lambda draft, accept: lambda h, t, k, P, span=None: G.spec_step(model, draft, accept, h, t, k, P, span)
     ar = lambda t, pos, span=None: G.ar_step(model, t, pos, span=span)
-    compiled = lambda fn: G.compile_step(fn, device, args.compile_mode)
+    # (choosing the GEMM backends times a step once, on caches of its own: before the caches are set up)
+    compiled = G.compiler(model, device, args.compile_mode, args.checkpoint) \
+        if not args.rows and (args.compile or args.speed or not args.spec_bench) else None
     if args.rows:
         # the same measurement as --tree auto's, read from (and kept in) its cache
         verify, draft = G.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",

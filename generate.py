@@ -264,8 +264,9 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
     cost_key and kept under the project's cache folder: verification once for the base model (every
     head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
     share them. Returns ({N: s}, {depth: s}) (no head: {})."""
-    compiled = (lambda f: compile_step(f, device, None if compile_mode == "default" else compile_mode)) \
+    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
         if compile_mode else (lambda f: f)
+    compile_mode = compile_mode and f"{compile_mode} {getattr(compiled, 'gemm', None)}"
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
                             lambda rs: step_costs(model, None, compiled, rows=rs)[0], ckpt.CACHE_DIR)
     t_draft = {} if head is None else cached_costs(
@@ -372,10 +373,10 @@ def lean_guards(guards):
             or (isinstance(g.value, torch.Tensor) and not isinstance(g.value, nn.Parameter)) for g in guards]
 
 
-def compile_step(fn, device: str, mode=None):
+def compile_step(fn, device: str, mode=None, gemm=None):
     """fullgraph, static shapes. CUDA: CUDA graphs (reduce-overhead). CPU: max-autotune with
     freezing: weights become constants that the CPU GEMM kernels pre-pack (AMX / AVX-512 micro-kernels
-    for bf16 when max-autotune picks them)."""
+    for bf16 when max-autotune picks them). gemm: the GEMM backends max-autotune chooses among (GEMMS)."""
     if mode is None:
         mode = "reduce-overhead" if device.startswith("cuda") else "max-autotune-no-cudagraphs"
     if not device.startswith("cuda"):
@@ -385,6 +386,8 @@ def compile_step(fn, device: str, mode=None):
     options = list_mode_options(mode)
     if not device.startswith("cuda"):
         options["guard_filter_fn"] = lean_guards
+        if gemm and "max-autotune" in mode:
+            options["max_autotune_gemm_backends"] = gemm
     step = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
     if mode != "reduce-overhead":
         return step
@@ -393,6 +396,32 @@ def compile_step(fn, device: str, mode=None):
     def clone(x):
         return tuple(map(clone, x)) if isinstance(x, tuple) else x.clone()
     return lambda *args: clone(step(*args))
+
+
+GEMMS = ("CPP,ATEN", "ATEN")  # inductor's C++ GEMM template or oneDNN, by timing; oneDNN alone
+
+
+def compiler(model, device: str, mode=None, checkpoint=None):
+    """compile_step for this model's steps, with the GEMM backends that make its one-token step
+    fastest here (.gemm). On a CPU max-autotune picks each GEMM's kernel by timing it over and over
+    on the same weights, hot in the caches, while a decode step streams them from memory: on an AMD
+    Zen 5 it picked the C++ template, which then streamed 13 GB/s in the step against oneDNN's 26
+    (a token 20 ms against 13), and on a Zen 3 the template was the faster one. So the one-row
+    forward is timed with each of GEMMS once per machine and model (cached, like --tree auto's
+    costs), and every step compiled here gets the faster."""
+    gemm = None
+    if device == "cpu" and "max-autotune" in (mode or "max-autotune"):
+        def measure(idx):
+            return {i: step_costs(model, None, lambda f, g=GEMMS[i]: compile_step(f, device, mode, g), rows=(1,))[0][1]
+                    for i in idx}
+        t = cached_costs({**cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
+                         range(len(GEMMS)), measure, ckpt.CACHE_DIR)
+        gemm = GEMMS[min(range(len(GEMMS)), key=t.get)]
+
+    def compiled(fn):
+        return compile_step(fn, device, mode, gemm)
+    compiled.gemm = gemm
+    return compiled
 
 
 class Streamer:
@@ -510,7 +539,8 @@ def run(args):
             args.acceptance, args.temperature, sampling["top_k"], args.top_p, args.posterior_threshold, args.posterior_alpha)
         step = lambda h, t, n, P, span=None: spec_step(model, draft, accept, h, t, n, P, span)
     if args.compile:
-        step, ar = compile_step(step, device, args.compile_mode), compile_step(ar, device, args.compile_mode)
+        compiled = compiler(model, device, args.compile_mode, args.checkpoint)
+        step, ar = compiled(step), compiled(ar)
 
     messages, cache_len = [], 0
     while True:

@@ -343,12 +343,13 @@ def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs
     import bench
     import generate as G
     from heads import load_heads
-    engines, compile_step = {}, (G.compile_step if compiled else lambda f, device: f)
+    engines = {}
     for d in [reference, *dirs]:
         model, tok = C.load_model(d, "cpu", torch.bfloat16)
+        compile_step = G.compiler(model, "cpu", checkpoint=d) if compiled else lambda f: f
         prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": bench.PROMPT}])))
         name = str(d or "bf16")
-        ar = compile_step(lambda t, pos, span=None, m=model: G.ar_step(m, t, pos, span=span), "cpu")
+        ar = compile_step(lambda t, pos, span=None, m=model: G.ar_step(m, t, pos, span=span))
         engines[f"{name}, AR"] = lambda m=model, s=ar, p=prompt: bench.ours(m, None, s, p, 0, n)
         if not heads:
             G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
@@ -361,7 +362,7 @@ def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs
         draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
         G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
         spec = compile_step(lambda h, t, k, P, span=None, m=model, dr=draft, a=accept:
-                            G.spec_step(m, dr, a, h, t, k, P, span), "cpu")
+                            G.spec_step(m, dr, a, h, t, k, P, span))
         label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
         engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth, nd=nodes: bench.ours(m, hd, s, p, dp, n, nd)
     if gguf:

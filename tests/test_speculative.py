@@ -659,6 +659,29 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
     assert G.cached_costs(key, (1, 2, 8), measure, tmp_path) and len(calls) == 3
 
 
+def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatch):
+    """compiler times the one-row forward with each of GEMMS (once per machine and model, cached) and
+    compiles every step with the faster; eager timings and CUDA take no choice."""
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path)
+    model, seen = tiny_model(), []
+    monkeypatch.setattr(G, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
+    for fastest in G.GEMMS:
+        def step_costs(m, head, compiled, rows=G.ROWS, **k):  # what each choice costs: known here
+            compiled(None)
+            return {N: 0.01 if seen[-1] == fastest else 0.02 for N in rows}, {}
+        monkeypatch.setattr(G, "step_costs", step_costs)
+        f = G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}")
+        assert f.gemm == fastest and set(seen) == set(G.GEMMS)
+        seen.clear()
+        f(lambda: None)
+        assert seen == [fastest]
+        monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the choice was timed again"))
+        assert G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}").gemm == fastest
+        seen.clear()
+    assert G.compiler(model, "cpu", mode="default").gemm is None   # no max-autotune: nothing to choose
+
+
 @pytest.mark.parametrize("kind", ["eagle", "hydra"])
 def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kind):
     """--tree auto on real (eager) step timings of a tiny model: a tree or plain decoding, printed,
