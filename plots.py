@@ -53,24 +53,31 @@ def tau_per_category(runs: list, out: Path) -> Path:
 
 
 def speedup_per_category(runs: list, out: Path) -> Path:
-    """Spec-Bench speed runs (--speed): one bar per tree of each run, speculative over AR tokens/s."""
+    """Spec-Bench speed runs (--speed): one panel a machine, one bar per tree of each of its runs,
+    speculative over AR tokens/s."""
     import matplotlib.pyplot as plt
-    series = [(f"{label({**r, 'tree': t['tree']})} ({t['nodes']} nodes), {short(r['machine'])}", t["categories"])
-              for r in runs for t in r.get("trees") or [dict(tree=r["tree"], nodes=r["nodes"], categories=r["categories"])]]
-    cats = list(series[0][1])
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.75) + 3, 4))
-    for i, (name, cs) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cats))]
-        ax.bar(xs, [cs.get(c, {}).get("speedup", 0) for c in cats], width, label=name)
-    ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_xticks(range(len(cats)), cats, rotation=40, ha="right")
-    ax.set_ylabel("speed-up over compiled AR decoding")
-    n = sorted({r["questions_per_category"] for r in runs})
-    ax.set_title(f"Spec-Bench, {'/'.join(map(str, n))} question(s) a category, {runs[0]['max_new_tokens']} new tokens, "
-                 f"greedy, {runs[0]['dtype']}, compiled ({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.grid(axis="y", alpha=0.3)
+    machines = sorted({r["machine"] for r in runs}, key=lambda m: max(r["date"] for r in runs if r["machine"] == m),
+                      reverse=True)  # the newest first
+    cats = list(runs[0]["categories"])
+    fig, axes = plt.subplots(len(machines), 1, figsize=(max(8, len(cats) * 0.75) + 3, 2.6 * len(machines) + 0.6),
+                             sharex=True, sharey=True, squeeze=False)
+    for ax, m in zip(axes[:, 0], machines):
+        mine = [r for r in runs if r["machine"] == m]
+        series = [(f"{label({**r, 'tree': t['tree']})} ({t['nodes']} nodes), {r['questions_per_category']} a category",
+                   t["categories"]) for r in mine
+                  for t in r.get("trees") or [dict(tree=r["tree"], nodes=r["nodes"], categories=r["categories"])]]
+        width = 0.8 / len(series)
+        for i, (name, cs) in enumerate(series):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cats))]
+            ax.bar(xs, [cs.get(c, {}).get("speedup", 0) for c in cats], width, label=name)
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_title(f"{short(m)} ({', '.join(sorted({r['date'] for r in mine}))})", fontsize=9)
+        ax.set_ylabel("vs compiled AR")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.grid(axis="y", alpha=0.3)
+    axes[-1, 0].set_xticks(range(len(cats)), cats, rotation=40, ha="right")
+    fig.suptitle(f"Spec-Bench speed-up over compiled AR decoding, {runs[0]['max_new_tokens']} new tokens, greedy, "
+                 f"{runs[0]['dtype']}, compiled", fontsize=10)
     return save(fig, out / "speedup_per_category.png")
 
 
