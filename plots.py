@@ -83,7 +83,7 @@ def speedup_per_category(runs: list, out: Path) -> Path:
 
 def speedup_vs_tree(runs: list, out: Path) -> Path:
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     for r in runs:
         pts = sorted((e["nodes"], e["vs_compiled_ar"], e["tree"]) for e in r["engines"] if e["tree"])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label({**r, 'tree': None})}, {short(r['machine'])}")
@@ -98,7 +98,7 @@ def speedup_vs_tree(runs: list, out: Path) -> Path:
     ax.set_ylabel("speed-up over compiled AR decoding")
     ax.set_title(f"story prompt, {runs[0]['max_new_tokens']} new tokens, {runs[0]['dtype']}, compiled, "
                  f"{runs[0]['threads']} threads ({', '.join(sorted({r['date'] for r in runs}))})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(alpha=0.3)
     return save(fig, out / "speedup_vs_tree.png")
 
