@@ -266,7 +266,7 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
     share them. Returns ({N: s}, {depth: s}) (no head: {})."""
     compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
         if compile_mode else (lambda f: f)
-    compile_mode = compile_mode and f"{compile_mode} {getattr(compiled, 'gemm', None)}"
+    compile_mode = compile_mode and f"{compile_mode} {compiled.gemm}"  # the timings' GEMM backends
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
                             lambda rs: step_costs(model, None, compiled, rows=rs)[0], ckpt.CACHE_DIR)
     t_draft = {} if head is None else cached_costs(

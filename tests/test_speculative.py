@@ -661,7 +661,7 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
 
 def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatch):
     """compiler times the one-row forward with each of GEMMS (once per machine and model, cached) and
-    compiles every step with the faster; eager timings and CUDA take no choice."""
+    compiles every step with the faster; without max-autotune, or on CUDA, there is no choice."""
     import checkpoint
     monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path)
     model, seen = tiny_model(), []
@@ -680,6 +680,7 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
         assert G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}").gemm == fastest
         seen.clear()
     assert G.compiler(model, "cpu", mode="default").gemm is None   # no max-autotune: nothing to choose
+    assert G.compiler(model, "cuda").gemm is None                  # CUDA graphs: nothing to choose
 
 
 @pytest.mark.parametrize("kind", ["eagle", "hydra"])
