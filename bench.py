@@ -26,10 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import generate as G
 from checkpoint import default_checkpoint, load_model
-from heads import load_heads
+from heads import WithLookup, load_heads, static_plan
+from trees import best_paths, load_tree, step_counts
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"  # evaluation only
 PROMPT = "Write a short story about a robot who learns to paint. Make it about three paragraphs long."
@@ -186,6 +188,44 @@ def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prom
     return out
 
 
+def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
+    """How often the head's drafts are accepted, measured the way a step drafts and verifies them
+    (EAGLE on the base's own features, the lookup chain beside the head): greedy speculative decoding
+    of each prompt with a big static tree of index paths `paths` (and a WithLookup head's chain),
+    noting at each step the deepest head node and the lookup tokens the base accepted. Under greedy
+    acceptance whether a node is accepted depends on it and its ancestors only, so what this tree
+    sees holds for each of its subtrees. Returns trees.step_counts (what choose_tree takes)."""
+    from distill import read_prompts
+    lookup = isinstance(head, WithLookup)
+    plan = static_plan(paths, lookup)                             # the speculator's node order
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
+    parents, heads_own = plan.tree.parents.tolist(), {tuple(p) for p in paths}
+    observed = []
+
+    def noting(logits, draft_tokens, tree):  # eager: a host sync a step is fine here
+        target, tokens = logits.argmax(-1).tolist(), draft_tokens.tolist()
+        right, best, k = [True] * len(tokens), (), 0
+        for i in range(1, len(tokens)):
+            right[i] = right[parents[i]] and tokens[i] == target[parents[i]]
+            if right[i] and plan.paths[i] in heads_own:
+                best = max(best, plan.paths[i], key=len)
+            elif right[i]:
+                k = max(k, len(plan.paths[i]))
+        observed.append((best, k))
+        return accept(logits, draft_tokens, tree)
+
+    texts = [ids for ids in (tok.encode(tok.chat([{"role": "user", "content": t}])) for t in read_prompts(prompts))
+             if len(ids) <= max_prompt]
+    G.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
+    step = lambda h, t, k, P, span=None: G.spec_step(model, draft, noting, h, t, k, P, span)
+    dev = model.output.weight.device
+    with torch.inference_mode():
+        for ids in tqdm(texts, desc="decoding the prompts with a big tree", unit="prompt", file=sys.stderr):
+            first, state = G.start(model, head, torch.tensor(ids, device=dev), depth, dict(temperature=0.0))
+            G.decode(step, state, first, n, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
+    return dict(prompts=len(texts), **step_counts(observed, paths, head.ngram.n if lookup else 0))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -214,6 +254,9 @@ def main():
                    "differs from the autoregressive one, compare the two tokens' logits in an fp32 forward")
     p.add_argument("--rows", action="store_true", help="instead: the cost of a compiled base forward over "
                    "N = 1..64 tree rows on a 512-token prefix (ratios to N = 1), and of --heads' draft levels")
+    p.add_argument("--acceptance", default=None, metavar="PROMPTS", help="instead: measure --heads' acceptance in "
+                   "the real step (greedy, a 64-node tree and any --lookup chain) on PROMPTS (JSONL, not Spec-Bench) "
+                   "and keep it in the heads' acceptance.json, where --tree auto reads it")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (for plots.py)")
     p.add_argument("--profile", default=None, metavar="FILE", help="without --spec_bench: also profile each "
                    "engine once (torch.profiler, ops by self time and input shapes) into FILE")
@@ -234,6 +277,10 @@ def run(args):
         raise ValueError("--profile profiles the story prompt's speed run: drop --spec_bench")
     if args.rows and (args.spec_bench or args.profile):
         raise ValueError("--rows is a benchmark of its own: drop --spec_bench and --profile")
+    if args.acceptance and (args.spec_bench or args.rows or args.profile):
+        raise ValueError("--acceptance is a measurement of its own: drop --spec_bench, --rows and --profile")
+    if args.acceptance and not args.heads:
+        raise ValueError("--acceptance measures draft heads: give --heads")
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):
@@ -245,6 +292,8 @@ def run(args):
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])), device=device)
     n = args.max_new_tokens
     head = load_heads(args.heads, model, None, args.lookup).to(device) if args.heads else None
+    if args.acceptance:
+        return measure_acceptance(args, model, tok, head)
     # one speculator per tree: (name, draft, accept, depth, nodes, scratch)
     specs, predicted = [], None
     if head is not None:
@@ -380,6 +429,30 @@ def run(args):
             for name, measure in engines.items():
                 f.write(f"{name}, one measurement ({n} + 1 tokens)\n{profile_table(measure, device.startswith('cuda'))}\n")
         print(f"profile of each engine: {args.profile}")
+
+
+def measure_acceptance(args, model, tok, head):
+    """--acceptance: step_acceptance on a tree of the head's 64 most frequent held-out paths (Medusa's
+    mc_sim_7b_63 without them), kept as acceptance.json's "step" beside the held-out counts."""
+    path = Path(args.heads) / "acceptance.json"
+    if not Path(args.heads).is_dir():
+        raise ValueError(f"--acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
+    acc = json.loads(path.read_text()) if path.is_file() else {}
+    inner = head.head if isinstance(head, WithLookup) else head
+    limit = getattr(inner, "num_heads", 0)
+    paths = best_paths({tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}, 64, limit) if "paths" in acc \
+        else [p for p in load_tree("mc_sim_7b_63") if not limit or len(p) <= limit]
+    t0 = time.perf_counter()
+    step = step_acceptance(model, tok, head, paths, args.acceptance, args.max_new_tokens, args.max_prompt)
+    acc["step"] = dict(source=Path(args.acceptance).name, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                       checkpoint=args.checkpoint or "default", date=datetime.date.today().isoformat(), **step)
+    path.write_text(json.dumps(acc) + "\n")
+    R = step["roots"]
+    head_rates = ", ".join(f"{p} {c / R:.0%}" for p, c in zip(step["paths"][:6], step["counts"]))
+    lookup_rates = "".join(f"; lookup (n={k}) right 1-{len(v)} deep at " + "/".join(f"{c / R:.0%}" for c in v)
+                           for k, v in step["lookup"]["counts"].items() if v)
+    print(f"{path}: {R} steps over {step['prompts']} prompts ({time.perf_counter() - t0:.0f} s); the accepted "
+          f"path starts with {head_rates}{lookup_rates}")
 
 
 if __name__ == "__main__":

@@ -277,29 +277,38 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
 
 def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
     """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
-    here (trees.choose_tree), from the head's held-out acceptance (acceptance.json, written by
-    train.py) and this machine's measured step costs. None: the head has no acceptance.json
-    (official checkpoints, the n-gram drafter)."""
+    here (trees.choose_tree), from the head's acceptance and this machine's measured step costs.
+    acceptance.json holds the held-out counts train.py measured on its data and, where
+    `bench.py --acceptance` ran, counts measured in the step on realistic prompts, the lookup chain
+    beside the head (its "step"): those are preferred. None: no acceptance.json (official
+    checkpoints, the n-gram drafter)."""
     path = Path(heads_dir) / "acceptance.json"
     if not path.is_file():
         return None
-    acc = json.loads(path.read_text())
+    heldout = json.loads(path.read_text())
+    acc = heldout.get("step", heldout)
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
     depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
     t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint,
                                        depths=sorted({1, depth}))
-    lookup, hits = isinstance(head, WithLookup), None
-    if lookup and str(head.ngram.n) in acc.get("lookup", {}).get("counts", {}):
-        hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][str(head.ngram.n)]]
-    choice = choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
+    lookup, hits, both = isinstance(head, WithLookup), None, None
+    n = lookup and str(head.ngram.n)
+    if lookup and n in acc.get("both", {}):  # measured beside the head: no independence assumed
+        both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"][n])}
+        hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][n]]
+    elif lookup and n in heldout.get("lookup", {}).get("counts", {}):
+        hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
+    choose = lambda t_verify: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
+                                          both=both)
+    choice = choose(t_verify)
     # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
     # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed.
     for _ in range(3):
         if choice["paths"] is None or choice["nodes"] in t_verify:
             break
         t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(choice["nodes"],))
-        choice = choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits)
+        choice = choose(t_verify)
     return choice
 
 

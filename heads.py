@@ -341,6 +341,7 @@ class StaticPlan:
     expand_parent_row: list  # per depth d >= 1: [F_d] their parents' rows among the expanded rows of d-1
     expand_offset: list      # per depth d >= 1: [F_d] their index among the nodes of depth d
     lookup: bool = False     # the last node of every depth is the prompt-lookup chain's (WithLookup)
+    paths: tuple = ()        # each node's index path, root () first; the lookup chain's start past every head choice
 
 
 def static_plan(paths: list, lookup: bool = False) -> StaticPlan:
@@ -353,7 +354,7 @@ def static_plan(paths: list, lookup: bool = False) -> StaticPlan:
     tree = tree_buffers(paths + chain)
     paths = [()] + sorted(paths + chain, key=lambda p: (len(p), p))  # tree_buffers' node order
     node = {p: i for i, p in enumerate(paths)}
-    plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None], lookup)
+    plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None], lookup, tuple(paths))
     rows = [()]  # the expanded nodes of the previous depth, in row order
     for d in range(1, tree.depth + 1):
         nodes = [p for p in paths if len(p) == d and p not in chain]
@@ -372,7 +373,8 @@ def static_plan(paths: list, lookup: bool = False) -> StaticPlan:
 def plan_to(plan: StaticPlan, device) -> StaticPlan:
     mv = lambda xs: [x.to(device) if isinstance(x, Tensor) else x for x in xs]
     return StaticPlan(plan.tree.to(device), mv(plan.child_parent_row), mv(plan.child_choice), plan.topk,
-                      mv(plan.expand_nodes), mv(plan.expand_parent_row), mv(plan.expand_offset), plan.lookup)
+                      mv(plan.expand_nodes), mv(plan.expand_parent_row), mv(plan.expand_offset), plan.lookup,
+                      plan.paths)
 
 
 def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):

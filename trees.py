@@ -128,6 +128,33 @@ def best_paths(counts: dict, size: int, max_depth: int = 0) -> list:
     return [list(p) for p in sorted(ok, key=lambda p: (-counts[p], len(p), p))[:size]]
 
 
+def best_subtrees(values: dict, size: int, max_depth: int = 0) -> list:
+    """The best tree of each size: [k] -> (value, paths) for the tree of exactly k nodes (index paths
+    at most max_depth long, 0: any, every parent in it) whose values sum highest (None: no tree of k
+    nodes). A knapsack over the tree, child by child (values need not shrink with depth: a node's
+    worth can be what the lookup branch does not already get)."""
+    ok = sorted(p for p in values if (not max_depth or len(p) <= max_depth))
+    children = {}
+    for p in ok:
+        children.setdefault(p[:-1], []).append(p)
+
+    def solve(p):  # [k] -> (value, paths) of the best k nodes under p, p itself counted as one
+        best = [(values.get(p, 0.0), [p] if p else [])]
+        for c in children.get(p, []):
+            sub, merged = solve(c), list(best) + [None] * size
+            for i, b in enumerate(best):
+                for j, s in enumerate(sub, 1):
+                    if b is not None and s is not None and i + j <= size and \
+                            (merged[i + j] is None or b[0] + s[0] > merged[i + j][0]):
+                        merged[i + j] = (b[0] + s[0], b[1] + s[1])
+            best = merged[:size + 1]
+            while best[-1] is None:
+                best.pop()
+        return best
+    return [(v, sorted(ps, key=lambda p: (len(p), p))) if ps is not None else None
+            for v, ps in ((b or (None, None)) for b in solve(()))]
+
+
 def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
     """Medusa's tree search (it simulated head accuracies for vicuna-7b to get mc_sim_7b_63), on
     measured ranks instead (see prefix_counts). A node, an index path, is accepted at a root iff
@@ -135,6 +162,27 @@ def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
     fraction of roots that start so (tree_tau), and the `size` most frequent prefixes maximise it.
     Returns index paths."""
     return best_paths(prefix_counts(ranks, top), size)
+
+
+def step_counts(observed: list, paths: list, n: int) -> dict:
+    """Acceptance as the step sees it (bench.py --acceptance), in acceptance.json's layout.
+    observed: per step of a tree of index paths `paths`, (the index path of the deepest head node the
+    base accepted, () if none; how many of the lookup chain's tokens it accepted, n its n-gram
+    length). Returns dict(roots, paths: every path of the tree, counts: roots whose accepted path
+    starts with each path, both: those of them whose lookup chain was right as deep too,
+    lookup: dict(roots, counts {n: [roots with j right, j = 1..]}))."""
+    counts, both = {tuple(p): 0 for p in paths}, {tuple(p): 0 for p in paths}
+    depth = max([len(p) for p, _ in observed] + [k for _, k in observed] + [1])
+    hits = [0] * depth
+    for path, k in observed:
+        for d in range(1, len(path) + 1):
+            counts[path[:d]] = counts.get(path[:d], 0) + 1
+            both[path[:d]] = both.get(path[:d], 0) + (k >= d)
+        for j in range(k):
+            hits[j] += 1
+    paths = sorted(counts, key=lambda p: (-counts[p], len(p), p))
+    return dict(roots=len(observed), paths=[list(p) for p in paths], counts=[counts[p] for p in paths],
+                both={str(n): [both[p] for p in paths]}, lookup=dict(roots=len(observed), counts={str(n): hits}))
 
 
 def interpolate(costs: dict, n: int) -> float:
@@ -148,9 +196,9 @@ def interpolate(costs: dict, n: int) -> float:
 
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
-                lookup: bool = False, lookup_hits: Optional[list] = None) -> dict:
+                lookup: bool = False, lookup_hits: Optional[list] = None, both: Optional[dict] = None) -> dict:
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
-    machine: for every size n and depth limit d, the best tree (best_paths) has expected tau
+    machine: for every size n and depth limit d, the best tree (best_subtrees) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
     t_verify(1) a token for plain decoding. counts, roots: the head's held-out prefix counts
     (prefix_counts) over `roots` roots. t_verify {N: s}: a base forward over N tree rows;
@@ -160,22 +208,35 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     branches erred independently: a step gets j tokens past the root unless both miss there, so
     tau = 1 + sum_j (1 - (1 - a_j)(1 - b_j)), a_j the tree's fraction of roots accepted to depth j
     (without lookup_hits the choice is conservative; with them the candidates are still the head's
-    most frequent prefixes, so the brute-force optimum is promised only without). Returns dict(paths (None: plain decoding),
+    most frequent prefixes, so the brute-force optimum is promised only without). both {path: roots}:
+    measured jointly (step_counts), how many of a path's roots the lookup chain got as deep too; then
+    no independence is assumed: tau = 1 + sum_j b_j + sum over the tree's paths of (counts - both) / roots.
+    Returns dict(paths (None: plain decoding),
     nodes, depth, tau, speedup: predicted, against plain decoding), plus `candidates`, the best of
     each size."""
     t_ar = interpolate(t_verify, 1)
     best = dict(paths=None, nodes=1, depth=0, tau=1.0, speedup=1.0)
     candidates = []
+    joint = lookup and lookup_hits and both is not None
+    # a tree of the most frequent paths is best for counts alone (a prefix is as frequent as its
+    # extensions), so only those enter the knapsack; joint counts cover the measured tree's paths only
+    pool = counts if joint else {tuple(p): counts[tuple(p)] for p in best_paths(counts, max_nodes - 1)}
+    worth = {p: c - (both.get(p, 0) if joint else 0) for p, c in pool.items()}
     for d in range(1, max(t_draft) + 1):
+        trees = best_subtrees(worth, max_nodes - 1, d)
         for n in range(1, max_nodes):
-            paths = best_paths(counts, n, d)
-            if len(paths) < n:  # no more distinct paths this shallow
+            if n >= len(trees):  # no more distinct paths this shallow
                 break
+            if trees[n] is None:
+                continue
+            paths = [list(p) for p in trees[n][1]]
             depth = max(len(p) for p in paths)
             nodes = n + 1 + (depth if lookup else 0)
             if nodes > max_nodes or depth != d:  # depth < d: the same tree as under a smaller limit
                 continue
-            if lookup and lookup_hits:
+            if joint:
+                tau = 1 + sum(lookup_hits[:depth]) + trees[n][0] / roots
+            elif lookup and lookup_hits:
                 a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
                 b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
                 tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b))

@@ -718,3 +718,58 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
     (folder / "acceptance.json").unlink()                 # no measured acceptance: the old default
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == "tree16"
+
+
+def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_path):
+    """bench.py --acceptance notes, at each step of a big tree, the deepest head node and the lookup
+    tokens the base accepted. Over a decode they add up to what the step accepted; and since a node's
+    draft and its verdict depend on its ancestors only, at a root they say what any subtree of the
+    big tree accepts there: checked at the first step of three prompts (the same root for every
+    tree). The shipped EAGLE head with the lookup chain, fp32."""
+    import json
+    import bench
+    model, tok = default_model
+    head = H.load_heads("heads/eagle-smollm2", model, None, 3)
+    big = T.load_tree("tree16")
+    f = tmp_path / "prompt.jsonl"
+
+    def first_step(text, tree):
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+        G.setup_caches(model, head, 512, scratch)
+        with torch.inference_mode():
+            _, state = G.start(model, head, torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}]))),
+                               depth, dict(temperature=0.0))
+            return int(G.spec_step(model, draft, accept, *state)[1])
+
+    # at a root (the accepted paths there: (0, 2), (0, 0, 0, 0) and (0, 0, 1))
+    subtrees = (T.load_tree("chain4"), [[0], [1], [0, 0]], [[0], [0, 2]], [[0], [0, 0], [0, 0, 1]], [[1], [1, 0]])
+    for text in ("List the days of the week: Monday, Tuesday, Wednesday,", "What is the capital of France?",
+                 "Name three primary colors."):
+        f.write_text(json.dumps({"prompt": text}) + "\n")
+        one = bench.step_acceptance(model, tok, head, big, f, 2, 256)   # one step: the first
+        assert one["roots"] == 1 and sorted(map(tuple, one["paths"])) == sorted(map(tuple, big))
+        best = max([tuple(p) for p, c in zip(one["paths"], one["counts"]) if c], key=len, default=())
+        k = sum(c > 0 for c in one["lookup"]["counts"]["3"])
+        assert len(best) >= 2
+        for sub in subtrees:
+            in_sub = max(d for d in range(len(best) + 1) if d == 0 or list(best[:d]) in sub)
+            assert first_step(text, sub) == 1 + max(in_sub, min(k, max(map(len, sub)))), (text, sub, best, k)
+
+    # over a decode: as many steps, and every accepted token counted once, by the head or the chain
+    text = "Write the multiplication table of 3 from 3 x 1 to 3 x 10."
+    f.write_text(json.dumps({"prompt": text}) + "\n")
+    acc = bench.step_acceptance(model, tok, head, big, f, 48, 256)
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, big)
+    G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
+    ids, counts = tok.encode(tok.chat([{"role": "user", "content": text}])), []
+
+    def step(*state):
+        out = G.spec_step(model, draft, accept, *state)
+        counts.append(int(out[1]))
+        return out
+    with torch.inference_mode():
+        first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+        G.decode(step, state, first, 48, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
+    hits = acc["lookup"]["counts"]["3"]
+    assert acc["roots"] == len(counts) and sum(hits) > 0
+    assert sum(c - 1 for c in counts) == sum(acc["counts"]) - sum(acc["both"]["3"]) + sum(hits)

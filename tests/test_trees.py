@@ -289,7 +289,9 @@ def test_choose_tree_counts_the_lookup_branch():
     counts, roots = T.prefix_counts(ranks, 3), ranks.shape[0]
     t_verify, t_draft = {1: 1.0, 64: 1.5}, {1: 0.02, 4: 0.08}
     paid = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True)
-    assert T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=[0.0] * 4) == paid
+    zero = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=[0.0] * 4)
+    assert [c["paths"] for c in zero["candidates"]] == [c["paths"] for c in paid["candidates"]]
+    assert [c["speedup"] for c in zero["candidates"]] == pytest.approx([c["speedup"] for c in paid["candidates"]])
     hits = [0.5, 0.4, 0.3, 0.2]
     both = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=hits)
     for c in both["candidates"]:
@@ -313,6 +315,42 @@ def test_choose_tree_is_the_fastest_tree_by_brute_force(ranks, rows, level, look
                         for n in range(1, 8) for sub in itertools.combinations(nodes, n)
                         if all(p[:-1] in sub for p in sub if len(p) > 1)
                         and n + 1 + (max(map(len, sub)) if lookup else 0) <= 8])
+    assert r["speedup"] == pytest.approx(best)
+
+
+@st.composite
+def observed_steps(draw):
+    """step_counts' input: per step the accepted head path (choices < 3, at most 2 deep) and how
+    many lookup tokens were right (0-2), few distinct so that they repeat."""
+    chain = st.sampled_from([(), (0,), (0, 0), (0, 1), (1,), (1, 0), (2,), (0, 2)])
+    return draw(st.lists(st.tuples(chain, st.sampled_from([0, 0, 1, 2])), min_size=1, max_size=40))
+
+
+@FAST
+@given(observed_steps(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3), st.floats(0.0, 0.5))
+def test_choose_tree_with_joint_lookup_counts_is_the_fastest_by_brute_force(observed, rows, level):
+    """Measured jointly, a step gets the deeper of the head's accepted path within the tree and the
+    lookup chain's right tokens (as deep as the tree): replayed step by step, against every tree of
+    choices < 3 up to 2 deep that fits in 8 rows."""
+    nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
+    acc = T.step_counts(observed, nodes, 3)
+    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
+    both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"]["3"])}
+    hits = [c / acc["roots"] for c in acc["lookup"]["counts"]["3"]]
+    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
+    t_draft = {1: level, 2: 2 * level}
+
+    def replayed(sub):
+        depth = max(map(len, sub))
+        tau = 1 + sum(max(max(d for d in range(len(p) + 1) if p[:d] in sub or d == 0), min(k, depth))
+                      for p, k in observed) / len(observed)
+        return tau, tau / (T.interpolate(t_draft, depth) + T.interpolate(t_verify, len(sub) + 1 + depth))
+
+    r = T.choose_tree(counts, acc["roots"], t_verify, t_draft, max_nodes=8, lookup=True, lookup_hits=hits, both=both)
+    for c in r["candidates"]:
+        assert (c["tau"], c["speedup"]) == pytest.approx(replayed({tuple(p) for p in c["paths"]}))
+    best = max([1.0] + [replayed(set(sub))[1] for n in range(1, 8) for sub in itertools.combinations(nodes, n)
+                        if all(p[:-1] in sub for p in sub if len(p) > 1) and n + 1 + max(map(len, sub)) <= 8])
     assert r["speedup"] == pytest.approx(best)
 
 
