@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import generate as G
 from checkpoint import default_checkpoint, load_model
+from distill import read_prompts
 from heads import WithLookup, load_heads, static_plan
 from trees import best_paths, load_tree, step_counts
 
@@ -195,7 +196,6 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     noting at each step the deepest head node and the lookup tokens the base accepted. Under greedy
     acceptance whether a node is accepted depends on it and its ancestors only, so what this tree
     sees holds for each of its subtrees. Returns trees.step_counts (what choose_tree takes)."""
-    from distill import read_prompts
     lookup = isinstance(head, WithLookup)
     plan = static_plan(paths, lookup)                             # the speculator's node order
     draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
@@ -279,8 +279,13 @@ def run(args):
         raise ValueError("--rows is a benchmark of its own: drop --spec_bench and --profile")
     if args.acceptance and (args.spec_bench or args.rows or args.profile):
         raise ValueError("--acceptance is a measurement of its own: drop --spec_bench, --rows and --profile")
+    if args.acceptance and "spec_bench" in Path(args.acceptance).name.lower():
+        raise ValueError("--acceptance tunes --tree auto: on Spec-Bench it would tune the trees to the evaluation "
+                         "set; give other prompts (data/calibrate.jsonl)")
     if args.acceptance and not args.heads:
         raise ValueError("--acceptance measures draft heads: give --heads")
+    if args.acceptance:
+        read_prompts(args.acceptance)  # a bad file fails before the model loads
     if args.spec_bench and not args.heads:
         raise ValueError("--spec_bench measures draft heads: give --heads")
     if args.checkpoint and not (args.skip_hf or args.spec_bench):

@@ -106,6 +106,10 @@ def test_paris(run_cli):
     (["--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
     (["--ties"], "give --spec_bench N"),
     (["--profile", "p.txt", "--spec_bench", 1, "--heads", "ngram"], "drop --spec_bench"),
+    (["--acceptance", "data/calibrate.jsonl"], "give --heads"),
+    (["--acceptance", "../shared/data/spec_bench.jsonl", "--heads", "ngram"], "give other prompts"),
+    (["--acceptance", "data/calibrate.jsonl", "--heads", "ngram"], "ngram is not a folder"),
+    (["--acceptance", "no-such-file.jsonl", "--heads", "heads/hydra-smollm2"], "cannot read the prompts file"),
 ])
 def test_bench_bad_input_is_one_clear_error_line(args, says):
     if "cuda" in args and torch.cuda.is_available():
