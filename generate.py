@@ -192,7 +192,10 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
             return model(tokens[None], P + slots, mask, cache_pos=P + slots)
         return compiled(verify)
     calls = {}
-    with torch.inference_mode():
+    # every N compiles the same code (verify) again: dynamo's limit of 8 a code object would stop the
+    # ninth with fullgraph, and `auto` times its chosen size beside the others in a process that chose
+    # the GEMM backends by compiling it twice already
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
         model(ctx[None], torch.arange(prefix, device=dev))  # fill the prefix's cache slots
         for N in rows:
             f, tokens = verify_fn(N), ctx[:N].clone()

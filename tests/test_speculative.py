@@ -683,6 +683,15 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
     assert G.compiler(model, "cuda").gemm is None                  # CUDA graphs: nothing to choose
 
 
+def test_step_costs_compile_any_number_of_row_counts():
+    """Each row count compiles the same verify code again (fullgraph): more of them than dynamo's
+    limit of 8 recompiles a code object, in one process, are still timed."""
+    model = tiny_model()
+    compiled = lambda f: torch.compile(f, backend="eager", fullgraph=True, dynamic=False)  # as compile_step
+    verify, _ = G.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)
+    assert sorted(verify) == list(range(1, 11)) and all(t > 0 for t in verify.values())
+
+
 @pytest.mark.parametrize("kind", ["eagle", "hydra"])
 def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kind):
     """--tree auto on real (eager) step timings of a tiny model: a tree or plain decoding, printed,
