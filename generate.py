@@ -307,13 +307,13 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     choice = choose(t_verify)
     # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
     # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed;
-    # with every size timed before, in the same turns: timed alone, minutes later, 9 rows once
-    # measured 19 ms against 25 in turns with one row (Zen 5), and the ratio is what decides.
+    # with one row in the same turns: timed alone, minutes later, 9 rows once measured 19 ms against
+    # 25 in turns with one row (Zen 5), and the ratio is what decides. (Every size again each time
+    # cost minutes a round when the choice moved on to yet another size.)
     for _ in range(3):
         if choice["paths"] is None or choice["nodes"] in t_verify:
             break
-        t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint,
-                                     rows=tuple(sorted({*t_verify, choice["nodes"]})))
+        t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(1, choice["nodes"]))
         choice = choose(t_verify)
     return choice
 
