@@ -200,8 +200,8 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
     machine: for every size n and depth limit d, the best tree (best_subtrees) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
-    t_verify(1) a token for plain decoding. counts, roots: the head's held-out prefix counts
-    (prefix_counts) over `roots` roots. t_verify {N: s}: a base forward over N tree rows;
+    t_verify(1) a token for plain decoding. counts, roots: the head's prefix counts over `roots`
+    roots (held-out: prefix_counts; measured in the step: step_counts). t_verify {N: s}: a base forward over N tree rows;
     t_draft {depth: s}: the head's draft of that many levels (both read by `interpolate`). lookup: a prompt-lookup chain as
     deep as the tree rides along: its nodes are paid for, and with lookup_hits [b_1, b_2, ...] (the
     fraction of roots where its first j tokens are right, lookup_counts) counted too, as if the two
