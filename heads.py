@@ -155,7 +155,7 @@ class CachedLayer(nn.Module):
         self.max_seq_len = 0
 
     def setup_caches(self, max_seq_len: int):
-        a, w = self.args, self.block.attention.wo.weight
+        a, w = self.args, self.block.ffn_norm.weight  # (a norm: the head's linears may be int8)
         self.max_seq_len = max_seq_len
         self.block.attention.kv_cache = KVCache(1, a.n_kv_head, max_seq_len, a.head_dim, w.dtype, w.device)
         self.register_buffer("freqs_cis", precompute_freqs_cis(a, max_seq_len, w.device), persistent=False)
@@ -191,7 +191,8 @@ class Eagle(nn.Module):
         return self.layer.max_seq_len
 
     def rows(self, base, feats, tokens):
-        return self.fc(torch.cat([base.tok_embeddings(tokens), feats.to(self.fc.weight.dtype)], -1))
+        e = base.tok_embeddings(tokens)
+        return self.fc(torch.cat([e, feats.to(e.dtype)], -1))
 
     def prefill(self, base, h, next_tokens):
         # the prompt's rows but the last, which the first step's begin() writes
@@ -498,6 +499,13 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
     if weights is None:
         raise HeadError(f"{folder}: no {' or '.join(files)} for a {kind} head")
     sd = _read(weights)
+    quant = cfg.get("quantization")  # quantize.py's int8 heads: their float values for the layout code
+    if quant:
+        from quantize import QuantizationError, dequantize_heads_state
+        try:
+            sd = dequantize_heads_state(sd, quant, folder)
+        except QuantizationError as e:
+            raise HeadError(str(e)) from None
     dim, vocab = base.args.dim, base.args.vocab_size
     d2t = _draft_vocab(sd, cfg, vocab, folder)
     draft_vocab = vocab if d2t is None else len(d2t)  # the rows of a head's own lm_head
@@ -534,6 +542,9 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
         ours = {"fc.weight": sd.get("fc.weight"), "fc.bias": sd.get("fc.bias")}
         ours.update(_hf_layer(sd, "layers.0.", "layer.block.", args, input_norm=False))
         head.load_state_dict(_fit({k: v for k, v in ours.items() if v is not None}, head.state_dict(), folder, kind))
+    if quant:  # before the cast: quantized from the stored values, it holds the stored integers
+        from quantize import quantize_linears
+        quantize_linears(head, base.output.weight.device, base.output.weight.dtype)
     head = head.to(base.output.weight.dtype).eval()
     return head if d2t is None else set_draft_vocab(head, base, d2t)
 

@@ -5,6 +5,7 @@ quality report against the bf16 model.
     python quantize.py --mode int4 --out ckpt/smollm2-int4-g32              # the GGUF's Q4_1 blocks, as they are
     python quantize.py --mode int4 --groupsize 128 --lm_head int8 --out ckpt/smollm2-int4-g128
     python generate.py --dtype bfloat16 --compile --checkpoint ckpt/smollm2-int4-g32
+    python quantize.py --mode int8 --heads heads/eagle-smollm2 --out ckpt/smollm2-int8   # + int8 heads in it
     python quantize.py --eval ckpt/smollm2-int8 ckpt/smollm2-int4-g32 ckpt/smollm2-int4-g128
     python quantize.py --speed ckpt/smollm2-int8 ckpt/smollm2-int4-g32 --heads heads/eagle-smollm2 --lookup 3
 
@@ -274,18 +275,90 @@ def write_quantized(src, out_dir, mode: str, groupsize: int = 32, lm_head=None) 
     return out
 
 
+# ---------------------------------------------------------------- draft heads
+
+# A quantized head folder is the head's official layout with every linear weight `X.weight` [N, K]
+# stored as `X.weight_int8` + `X.scales` (int8, per output channel, whatever the base's mode: a
+# head's layers are too small for int4's groups to pay) and a "quantization" entry in config.json.
+# load_heads dequantizes the file for its layout code, then quantize_linears quantizes the float head
+# again, which gives back the stored integers (the scales to fp32 rounding): tested.
+
+def quantize_heads_state(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.is_floating_point():
+            out[k[:-len("weight")] + "weight_int8"], out[k[:-len("weight")] + "scales"] = quantize_int8(v)
+        else:
+            out[k] = v
+    return out
+
+
+def dequantize_heads_state(sd: dict, quant: dict, folder) -> dict:
+    if quant.get("mode") != "int8":
+        raise QuantizationError(f"{folder}: unknown head quantization {quant}: this engine knows int8")
+    out = {k: v for k, v in sd.items() if not k.endswith((".weight_int8", ".scales"))}
+    for k, q in sd.items():
+        if k.endswith(".weight_int8"):
+            p = k[:-len("weight_int8")]
+            if p + "scales" not in sd:
+                raise QuantizationError(f"{folder}: {p}scales is missing beside {k}")
+            out[p + "weight"] = dequantize_int8(q, sd[p + "scales"].float())
+    return out
+
+
+def quantize_linears(module: nn.Module, device, dtype) -> nn.Module:
+    """Swaps every nn.Linear of a (float) draft head for the int8 module of its weight, in place."""
+    for name, m in list(module.named_modules()):
+        if isinstance(m, nn.Linear):
+            q, s = quantize_int8(m.weight.detach())
+            parent, _, child = name.rpartition(".")
+            bias = None if m.bias is None else m.bias.detach()
+            setattr(module.get_submodule(parent) if parent else module, child,
+                    WeightOnlyInt8Linear(q, s, bias, device, dtype))
+    return module
+
+
+def float_heads_config(src) -> dict:
+    f = Path(src) / "config.json"
+    cfg = json.loads(f.read_text()) if f.exists() else {}
+    if cfg.get("quantization"):
+        raise QuantizationError(f"{src} is already quantized ({cfg['quantization']['mode']}): "
+                                "quantize its float source instead")
+    return cfg
+
+
+def write_quantized_heads(src, out_dir, base) -> Path:
+    """The int8 head folder of the float head folder src (its official layout); base: the float base
+    model the head drafts for, in fp32 (which keeps a float head's values exactly)."""
+    from heads import load_heads, save_heads
+    cfg = float_heads_config(src)
+    head = load_heads(src, base)
+    out = Path(out_dir)
+    save_heads(head, out, cfg.get("base_model_name_or_path", ""), torch.float32)
+    weights = next(f for f in out.iterdir() if f.suffix == ".safetensors")
+    C.save_file(quantize_heads_state(C.read_safetensors(weights)), weights)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization"] = {"mode": "int8", "source": str(src)}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in ("acceptance.json", "tree.json"):  # the float head's measured acceptance: --tree auto reads it
+        if (Path(src) / f).exists():
+            shutil.copy(Path(src) / f, out / f)
+    return out
+
 
 # ---------------------------------------------------------------- quality report
 
-def evaluate(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=134):
-    """Next-token distributions of each quantized checkpoint against the bf16 reference over the
+def evaluate(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=134, dtype=torch.bfloat16):
+    """Next-token distributions of each quantized checkpoint against the float reference over the
     answer positions of n held-out sequences (the last `held_out` of the data: greedy answers of the
-    base model). Returns one dict of statistics per checkpoint (and the reference's perplexity)."""
+    base model), all in dtype (float32: the dequantized weights through F.linear, which isolates the
+    scheme's own error from bf16's rounding). Returns one dict of statistics per checkpoint (and the
+    reference's perplexity)."""
     from distill import read_data
     seqs, prompt_lens, _, _ = read_data(data)
     held = list(zip(seqs, prompt_lens))[len(seqs) - held_out:][:n]
     L = max(len(s) for s, _ in held)
-    models = [C.load_model(d, "cpu", torch.bfloat16)[0] for d in [reference, *dirs]]
+    models = [C.load_model(d, "cpu", dtype)[0] for d in [reference, *dirs]]
     for m in models:
         m.setup_caches(1, L)
     kl, same, nll = [[] for _ in dirs], [0] * len(dirs), [[] for _ in models]
@@ -385,9 +458,12 @@ def main(argv=None):
                                                            "the bf16 model (--checkpoint, default the embedded one)")
     p.add_argument("--data", default="data/selfdistill.npz", help="--eval: sequences; the last 134 are held out")
     p.add_argument("--n", type=int, default=24, help="--eval: held-out sequences to score")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="--eval: activations (float32: the schemes' own error, without bf16's rounding)")
     p.add_argument("--speed", nargs="+", metavar="DIR", help="compiled decode speed of quantized checkpoints "
                    "beside the bf16 model's (--checkpoint), side by side in one run")
-    p.add_argument("--heads", default=None, help="--speed: also speculative decoding with these heads")
+    p.add_argument("--heads", default=None, help="with --mode: also write these heads in int8 to OUT/<their folder "
+                                                 "name>; --speed: also speculative decoding with these heads")
     p.add_argument("--lookup", type=int, default=0, help="--speed: the heads' prompt-lookup branch (N-gram)")
     p.add_argument("--tree", default="tree16", help="--speed: the heads' tree (auto: chosen for each base)")
     p.add_argument("--llama_cpp", nargs="?", const="default", default=None, metavar="GGUF",
@@ -415,9 +491,10 @@ def main(argv=None):
             print("command: python quantize.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv)))
             return
         if args.eval:
-            rows, n, positions = evaluate(args.eval, args.checkpoint, args.data, args.n)
-            print(f"\n`python quantize.py --eval {' '.join(args.eval)} --n {args.n}`: {n} held-out sequences of "
-                  f"{args.data}, {positions} answer positions, bf16 activations, reference the bf16 model "
+            rows, n, positions = evaluate(args.eval, args.checkpoint, args.data, args.n, dtype=getattr(torch, args.dtype))
+            print(f"\n`python quantize.py --eval {' '.join(args.eval)} --n {args.n} --dtype {args.dtype}`: {n} held-out "
+                  f"sequences of {args.data}, {positions} answer positions, {args.dtype} activations, reference "
+                  f"the float model in {args.dtype} "
                   f"(perplexity {rows[0]['ppl_ref']:.3f})\n")
             print("| checkpoint | scheme | MB | KL mean | KL median | KL p99 | same top-1 | perplexity |\n"
                   "|---|---|---|---|---|---|---|---|")
@@ -430,8 +507,14 @@ def main(argv=None):
             return
         if not args.mode or not args.out:
             raise ValueError("give --mode int8|int4 and --out DIR (or --eval DIR...)")
+        if args.heads:
+            float_heads_config(args.heads)  # before anything is written
         out = write_quantized(args.checkpoint, args.out, args.mode, args.groupsize, args.lm_head)
         print(f"wrote {out} ({C.quantization(out)})")
+        if args.heads:
+            base, _ = C.load_model(args.checkpoint, "cpu", torch.float32)
+            heads = write_quantized_heads(args.heads, out / Path(args.heads).name, base)
+            print(f"wrote {heads} (int8 heads: python generate.py --checkpoint {out} --heads {heads})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

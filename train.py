@@ -340,6 +340,9 @@ def init_from(head, folder, base, kind: str, d2t):
     """Start from a saved head's weights (fine-tuning on more data, say) with a fresh optimizer and
     schedule. Its draft vocab is this data's: a head with its own lm_head must have been saved with the same one."""
     from heads import HeadError, load_heads
+    cfg = Path(folder) / "config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("quantization"):
+        raise ValueError(f"--init: {folder} holds int8 heads (quantize.py): start from their float source")
     try:
         old = load_heads(folder, base, kind)
     except HeadError as e:

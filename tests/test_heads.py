@@ -295,3 +295,53 @@ def test_shipped_heads_draft_the_prompts_rare_words(default_model, name):
     speculative_equals_autoregressive(model, head, prompt, 40, drafted, tree="tree16")
     assert head.ctx_n.item() > 0
     assert sum((~torch.isin(t[1:], head.d2t)).sum().item() for t in drafted) > 0  # measured: EAGLE 10, Hydra 11, Medusa 22 (shipped heads, 2026-12-01)
+
+
+# ---------------------------------------------------------------- int8 heads (quantize.py --heads)
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra++", "eagle"])
+def test_int8_heads_hold_the_stored_integers_and_draft_as_their_dequantized_weights(kind, base, tmp_path):
+    """quantize.write_quantized_heads: the official layout with int8 linears; loaded, every linear is
+    int8 with exactly the integers quantize_int8 gives the float head's weight, and the drafts (fp32:
+    the dequantized weight through F.linear) are those of the float head with the dequantized weights.
+    Refused: heads quantized again, and int8 heads for another base (the float checks still run)."""
+    import quantize as Q
+    head = make_head(kind, TINY, seed=7)
+    src = tmp_path / "float"
+    H.save_heads(head, src, base_model="org/tiny-base")
+    out = Q.write_quantized_heads(src, tmp_path / "int8", base)
+    stored = next(out.glob("*.safetensors"))
+    assert stored.stat().st_size < 0.4 * next(src.glob("*.safetensors")).stat().st_size  # fp32 -> int8
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "int8"
+    loaded = H.load_heads(out, base)
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
+    floats = dict(head.named_modules())
+    dequant = make_head(kind, TINY, seed=7)
+    with torch.no_grad():
+        for name, m in loaded.named_modules():
+            if isinstance(m, Q.WeightOnlyInt8Linear):
+                q, s = Q.quantize_int8(floats[name].weight)
+                assert torch.equal(m.weight_int8, q)
+                torch.testing.assert_close(m.scales, s, rtol=1e-6, atol=0)
+                dict(dequant.named_modules())[name].weight.copy_(Q.dequantize_int8(q, s))
+    # in bf16 too: quantized before the head is cast, so from the stored values
+    import copy
+    int8 = {n: m.weight_int8 for n, m in loaded.named_modules() if isinstance(m, Q.WeightOnlyInt8Linear)}
+    loaded16 = H.load_heads(out, copy.deepcopy(base).bfloat16())
+    assert {n: m.weight_int8 for n, m in loaded16.named_modules() if isinstance(m, Q.WeightOnlyInt8Linear)}.keys() == int8.keys()
+    assert all(torch.equal(m.weight_int8, int8[n]) for n, m in loaded16.named_modules() if n in int8)
+    moved = sum((a - b).abs().max() > 0 for a, b in zip(drafts(head, base), drafts(loaded, base)))
+    assert moved > 0  # int8 is not the float head...
+    for a, b in zip(drafts(dequant, base), drafts(loaded, base)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # ...but its dequantized weights
+
+    prompt = torch.randint(0, TINY.vocab_size, (10,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = ar_decode(base, prompt, 24)
+        out_tokens, _ = spec_decode(base, loaded, prompt, 24)
+    assert out_tokens == ref[:24]
+
+    with pytest.raises(Q.QuantizationError, match="already quantized"):
+        Q.write_quantized_heads(out, tmp_path / "again", base)
+    with pytest.raises(H.HeadError, match="base model"):
+        H.load_heads(out, tiny_model(OTHER_DIM if kind != "hydra++" else OTHER_VOCAB, seed=3))

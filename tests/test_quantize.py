@@ -117,6 +117,18 @@ def test_int4_g32_from_the_gguf_is_the_default_model_in_fp32(int4_g32, default_m
     assert torch.equal(model.tok_embeddings.weight, base.tok_embeddings.weight)
 
 
+def test_quality_report_in_fp32_isolates_the_schemes_error(int4_g32, tmp_path):
+    """quantize.evaluate in fp32 on two held-out answers: int4-g32 from the GGUF holds the reference's
+    very weights (KL 0, same top-1 everywhere, the same perplexity); int8 quantizes them again (a small
+    KL above 0, the top-1 nearly always kept)."""
+    int8 = Q.write_quantized(None, tmp_path / "int8", "int8")
+    rows, n, positions = Q.evaluate([int4_g32, int8], n=2, dtype=torch.float32)
+    g32, i8 = rows
+    assert n == 2 and positions > 50
+    assert g32["kl_mean"] == 0 and g32["kl_p99"] == 0 and g32["same_top1"] == 1 and g32["ppl"] == g32["ppl_ref"]
+    assert 0 < i8["kl_mean"] < 0.01 and i8["same_top1"] > 0.95 and abs(i8["ppl"] / i8["ppl_ref"] - 1) < 0.05
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def dequantized_copy(folder):
@@ -258,3 +270,20 @@ def test_a_device_without_the_kernels_is_refused(tiny, tmp_path, monkeypatch):
         checkpoint.load_model(out_dir, "cuda", torch.bfloat16)
     with pytest.raises(checkpoint.CheckpointError, match="run on cpu or cuda, not meta"):
         checkpoint.load_model(out_dir, "meta", torch.bfloat16)
+
+
+def test_cli_writes_int8_heads_into_the_quantized_checkpoint(tiny, tmp_path):
+    """quantize.py --mode int4 --heads DIR --out OUT: OUT/<DIR's name> holds the heads in int8, which
+    load on the quantized base in bf16 (torch's int8 kernel); quantizing them again is refused."""
+    import heads as H
+    src = tmp_path / "eagle-tiny"
+    H.save_heads(make_head("eagle", checkpoint.load_model(tiny)[0].args, seed=1), src)
+    r = run_quantize("--mode", "int4", "--checkpoint", tiny, "--heads", src, "--out", tmp_path / "q")
+    assert r.returncode == 0, r.stderr
+    base, _ = checkpoint.load_model(tmp_path / "q", "cpu", torch.bfloat16)
+    head = H.load_heads(tmp_path / "q" / "eagle-tiny", base)
+    assert isinstance(head.fc, Q.WeightOnlyInt8Linear) and head.fc.kernel == "cpu"
+    r = run_quantize("--mode", "int8", "--checkpoint", tiny, "--heads", tmp_path / "q" / "eagle-tiny",
+                     "--out", tmp_path / "q2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is already quantized" in r.stderr, r.stderr
+    assert not (tmp_path / "q2").exists()  # refused before anything was written

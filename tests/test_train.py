@@ -278,6 +278,12 @@ def test_init_continues_from_saved_heads(tiny, dataset, tmp_path, capsys):
         train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--init", str(tmp_path / "m")))
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --init") and "another shape" in last
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())  # int8 heads (quantize.py): not a start
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**cfg, "quantization": {"mode": "int8"}}))
+    with pytest.raises(SystemExit):
+        train.main(train_args(tiny, dataset, tmp_path / "d", "eagle", "--steps", "1", "--init", str(tmp_path / "a")))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: --init") and "int8 heads" in last
     with pytest.raises(SystemExit):
         train.main(train_args(tiny, dataset, tmp_path / "d", "medusa", "--steps", "1", "--unroll", "3"))
     assert capsys.readouterr().err.strip().startswith("error: --unroll 3")
