@@ -88,7 +88,8 @@ def shared_logits(head, base, x: Tensor) -> Tensor:
         return base.output(x)
     ctx = F.linear(x, head.ctx_w[:CTX].to(x.dtype))
     ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
-    return torch.cat([F.linear(x, w.to(x.dtype)), ctx], -1)      # [*, V' + CTX]
+    lm = getattr(head, "draft_lm", None)  # int8 heads: the draft vocab's rows in int8 (half the bytes a level)
+    return torch.cat([F.linear(x, w.to(x.dtype)) if lm is None else lm(x), ctx], -1)      # [*, V' + CTX]
 
 
 def token_ids(head, idx: Tensor) -> Tensor:
@@ -542,11 +543,17 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
         ours = {"fc.weight": sd.get("fc.weight"), "fc.bias": sd.get("fc.bias")}
         ours.update(_hf_layer(sd, "layers.0.", "layer.block.", args, input_norm=False))
         head.load_state_dict(_fit({k: v for k, v in ours.items() if v is not None}, head.state_dict(), folder, kind))
+    dev, dtype = base.output.weight.device, base.output.weight.dtype
     if quant:  # before the cast: quantized from the stored values, it holds the stored integers
         from quantize import quantize_linears
-        quantize_linears(head, base.output.weight.device, base.output.weight.dtype)
-    head = head.to(base.output.weight.dtype).eval()
-    return head if d2t is None else set_draft_vocab(head, base, d2t)
+        quantize_linears(head, dev, dtype)
+    head = head.to(dtype).eval()
+    if d2t is not None:
+        set_draft_vocab(head, base, d2t)
+        if quant:
+            from quantize import WeightOnlyInt8Linear, quantize_int8
+            head.draft_lm = WeightOnlyInt8Linear(*quantize_int8(head.draft_w), None, dev, dtype)
+    return head
 
 
 def _draft_vocab(sd: dict, cfg: dict, vocab: int, folder) -> Optional[Tensor]:

@@ -345,3 +345,22 @@ def test_int8_heads_hold_the_stored_integers_and_draft_as_their_dequantized_weig
         Q.write_quantized_heads(out, tmp_path / "again", base)
     with pytest.raises(H.HeadError, match="base model"):
         H.load_heads(out, tiny_model(OTHER_DIM if kind != "hydra++" else OTHER_VOCAB, seed=3))
+
+
+def test_int8_heads_draft_over_the_draft_vocabs_rows_in_int8(base, tmp_path):
+    """An int8 head with a draft vocab (shared lm_head) reads the base's rows of that vocab in int8
+    (half the bytes of a draft level): the integers quantize_int8 gives those rows; the logits those of
+    the dequantized rows; the context's tokens keep the base's float rows."""
+    import quantize as Q
+    d2t = torch.arange(0, 64, 2)
+    H.save_heads(H.set_draft_vocab(make_head("eagle", base.args, seed=1), base, d2t), tmp_path / "float")
+    head = H.load_heads(Q.write_quantized_heads(tmp_path / "float", tmp_path / "int8", base), base)
+    rows = base.output.weight[d2t]
+    q, s = Q.quantize_int8(rows)
+    assert torch.equal(head.draft_lm.weight_int8, q)
+    H.note_context(head, base, torch.tensor([3, 5]), reset=True)
+    x = torch.randn(2, base.args.dim)
+    logits = H.shared_logits(head, base, x)
+    torch.testing.assert_close(logits[:, :32], x @ Q.dequantize_int8(q, s).T, rtol=1e-5, atol=1e-5)
+    assert (logits[:, :32] - x @ rows.T).abs().max() > 0
+    torch.testing.assert_close(logits[:, 32:34], base.output(x)[:, [3, 5]])
