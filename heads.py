@@ -83,13 +83,12 @@ def note_context(head, base, tokens: Tensor, valid: Optional[Tensor] = None, res
 
 def shared_logits(head, base, x: Tensor) -> Tensor:
     # the base's lm_head, restricted to the draft vocab and the context's tokens when the head has one
-    w = getattr(head, "draft_w", None)
-    if w is None:
+    if getattr(head, "d2t", None) is None:
         return base.output(x)
     ctx = F.linear(x, head.ctx_w[:CTX].to(x.dtype))
     ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
     lm = getattr(head, "draft_lm", None)  # int8 heads: the draft vocab's rows in int8 (half the bytes a level)
-    return torch.cat([F.linear(x, w.to(x.dtype)) if lm is None else lm(x), ctx], -1)      # [*, V' + CTX]
+    return torch.cat([F.linear(x, head.draft_w.to(x.dtype)) if lm is None else lm(x), ctx], -1)  # [*, V' + CTX]
 
 
 def token_ids(head, idx: Tensor) -> Tensor:
@@ -553,6 +552,7 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
         if quant:
             from quantize import WeightOnlyInt8Linear, quantize_int8
             head.draft_lm = WeightOnlyInt8Linear(*quantize_int8(head.draft_w), None, dev, dtype)
+            del head.draft_w  # (9.4 MB of float rows the int8 ones replace)
     return head
 
 
