@@ -51,17 +51,6 @@ def ar_step(model, token, pos, temperature: float = 0.0, top_k: int = 0, top_p: 
     return nxt.view(1), torch.ones_like(pos), (nxt, pos + 1)
 
 
-def tree_attention_mask(tree_mask, P, span):
-    """bool [N, L]: node i at slot P+i sees the prefix [0, P), its ancestors and itself; stale slots
-    past P+N are masked. span: the cache slots [L] attended (arange(L)), or L."""
-    if isinstance(span, int):
-        span = torch.arange(span, device=P.device)
-    j = span - P                                                  # slot -> node index
-    N = tree_mask.shape[0]
-    in_tree = (j >= 0) & (j < N)
-    return (j < 0)[None, :] | (tree_mask[:, j.clamp(0, N - 1)] & in_tree[None, :])
-
-
 def spec_step(model, draft, accept, h, next_tokens, n, P, span=None):
     """One tree speculative step: draft a tree, verify it in one base forward with the tree mask,
     accept the longest path, move its KV entries to the contiguous slots after the prefix.
@@ -72,8 +61,9 @@ def spec_step(model, draft, accept, h, next_tokens, n, P, span=None):
     draft_tokens, tree = draft(h, next_tokens, n, P)              # [N]
     N, D = draft_tokens.shape[0], tree.depth
     slots = P + torch.arange(N, device=P.device)
-    mask = tree_attention_mask(tree.tree_mask, P, model.max_seq_len if span is None else span)
-    logits, _, hidden = model(draft_tokens[None], P + tree.positions, mask, cache_pos=slots, return_hidden=True)
+    prefix = (torch.arange(model.max_seq_len, device=P.device) if span is None else span)[None, :] < P  # [1, L]
+    logits, _, hidden = model(draft_tokens[None], P + tree.positions, prefix, cache_pos=slots, return_hidden=True,
+                              tree_mask=tree.tree_mask)
     accept_length, path, next_token = accept(logits[0], draft_tokens, tree)
     path_slots = P + path                                         # [D+1]
     model.compact(path_slots, P + torch.arange(D + 1, device=P.device))
@@ -187,9 +177,9 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
         chain = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
         slots = torch.arange(N, device=dev)
 
-        def verify(tokens, P):  # tokens [N]
-            mask = tree_attention_mask(chain, P, model.max_seq_len)
-            return model(tokens[None], P + slots, mask, cache_pos=P + slots)
+        def verify(tokens, P):  # tokens [N], as spec_step calls the model
+            prefix = torch.arange(model.max_seq_len, device=dev)[None, :] < P
+            return model(tokens[None], P + slots, prefix, cache_pos=P + slots, tree_mask=chain)
         return compiled(verify)
     calls = {}
     # every N compiles the same code (verify) again: dynamo's limit of 8 a code object would stop the

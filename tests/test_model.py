@@ -131,12 +131,17 @@ def test_tree_mask_call_equals_plain_causal_calls(tiny_model):
         for i, anc in enumerate(ancestors):
             mask[i, [P + j for j in anc]] = True
         tree = tiny_model(tree_tokens, P + depth, mask=mask, cache_pos=P + torch.arange(4))[0]
+        # as spec_step calls it: the prefix slots, and the tree's own rows through tree_mask
+        tree_mask = mask[:, P:P + 4]
+        by_tree_mask = tiny_model(tree_tokens, P + depth, mask=torch.arange(S)[None, :] < P,
+                                  cache_pos=P + torch.arange(4), tree_mask=tree_mask)[0]
 
         # The same paths as plain causal calls after the same prefix (each overwrites slots P, P+1).
         path_ab = tiny_model(torch.tensor([[a, b]]), torch.arange(P, P + 2))[0]
         path_cd = tiny_model(torch.tensor([[c, d]]), torch.arange(P, P + 2))[0]
     assert (tree[[0, 1]] - path_ab).abs().max().item() < 1e-4
     assert (tree[[2, 3]] - path_cd).abs().max().item() < 1e-4
+    assert (by_tree_mask - tree).abs().max().item() < 1e-4
 
 
 def test_four_dim_mask_equals_two_dim_mask(tiny_model):

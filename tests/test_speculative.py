@@ -420,8 +420,9 @@ def test_one_tree_forward_equals_each_path_run_sequentially(tiny, tree, prefix_l
     with torch.inference_mode():
         model(prefix[None], torch.arange(P))
         snap = snapshot(model)
-        mask = G.tree_attention_mask(tree.tree_mask, torch.tensor(P), S)  # as spec_step builds it
-        tree_logits = model(draft_tokens[None], P + tree.positions, mask, cache_pos=P + torch.arange(N))[0]
+        prefix = torch.arange(S)[None, :] < P  # as spec_step calls it
+        tree_logits = model(draft_tokens[None], P + tree.positions, prefix, cache_pos=P + torch.arange(N),
+                            tree_mask=tree.tree_mask)[0]
         for row in tree.retrieve_indices.tolist():
             path = [i for i in row if i >= 0]
             restore(model, snap)
@@ -451,8 +452,8 @@ def test_compaction_leaves_the_cache_of_sequential_decoding():
             for a in range(length + 1):
                 path = torch.tensor([row[min(j, a)] for j in range(D + 1)])  # as trees._path pads it
                 restore(model, snap)
-                mask = G.tree_attention_mask(tree.tree_mask, torch.tensor(P), S)
-                model(draft_tokens[None], P + tree.positions, mask, cache_pos=P + torch.arange(N))
+                model(draft_tokens[None], P + tree.positions, torch.arange(S)[None, :] < P,
+                      cache_pos=P + torch.arange(N), tree_mask=tree.tree_mask)
                 model.compact(P + path, P + torch.arange(D + 1))
                 restore(ref, snap)
                 for j in range(a + 1):  # the root and the accepted tokens, one by one
