@@ -182,7 +182,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor
     """Attention of a tree's T rows: over the cache's prefix slots as two batched matmuls, over the
     tree's own rows, whose keys and values are at hand, written out. A [T, L] mask over the cache
     slots would need the tree mask gathered into them, and SDPA's CPU kernel with it cost 0.17 ms a
-    layer for 8 rows over 576 slots, this 0.12 (Zen 5). Scores and softmax in fp32, as SDPA's.
+    layer for 8 rows over 576 slots, this 0.12 (Zen 5). Scores and softmax in fp32, as SDPA's; the
+    weights meet the cached values in the cache's dtype, as in SDPA's CPU kernel (fp32 doubles that matmul).
     q [B, H, T, D]; k, v [B, H_kv, L, D] the cache's span; k_new, v_new [B, H_kv, T, D];
     prefix: bool [.., L] the slots every row sees; tree_mask: bool [T, T]. Returns [B, H, T, D]."""
     B, H, T, D = q.shape
