@@ -58,7 +58,7 @@ def spec_step(model, draft, accept, h, next_tokens, n, P, span=None):
     next_tokens [D+1] the token after each of them (next_tokens[n-1] is the root, not yet in the
     cache); n the path's length; P the cache length. span: the cache slots [L] verification attends
     (live_span; default all). Returns (tokens [D+1], count, state)."""
-    draft_tokens, tree = draft(h, next_tokens, n, P)              # [N]
+    draft_tokens, tree = draft(h, next_tokens, n, P, None if span is None else span.shape[0])  # [N]
     N, D = draft_tokens.shape[0], tree.depth
     slots = P + torch.arange(N, device=P.device)
     prefix = (torch.arange(model.max_seq_len, device=P.device) if span is None else span)[None, :] < P  # [1, L]
@@ -129,12 +129,12 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
             raise ValueError(f"dynamic tree needs --top_k >= 1, --depth >= 1 and 2 <= --total_tokens <= "
                              f"{pool + 1} (top_k + (depth-1) * top_k^2 + 1)")
         nodes, scratch = total + (depth if lookup else 0), pool + 1
-        draft = lambda h, t, n, P: draft_dynamic(head, model, h, t, n, P, k, depth, total)
+        draft = lambda h, t, n, P, L=None: draft_dynamic(head, model, h, t, n, P, k, depth, total, L)
     else:
         plan = plan_to(static_plan(tree if isinstance(tree, list) else load_tree(tree), lookup), device)
         depth, nodes = plan.tree.depth, plan.tree.num_nodes
         scratch = nodes
-        draft = lambda h, t, n, P: draft_static(head, model, plan, h, t, n, P)
+        draft = lambda h, t, n, P, L=None: draft_static(head, model, plan, h, t, n, P, L)
     inner = head.head if lookup else head
     if getattr(inner, "num_heads", depth) < depth:
         raise ValueError(f"the tree is {depth} deep but the head has only {inner.num_heads} heads: use a shallower tree")

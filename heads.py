@@ -1,10 +1,12 @@
 """Draft heads that read the base model's last hidden states: Medusa, Hydra (and Hydra++), EAGLE.
 
 Every head answers the decode loop the same way, so the loop never asks which one it has:
-  begin(base, h, next_tokens, n, P) -> (logits [1, V], state [1, *])
+  begin(base, h, next_tokens, n, P, L=None) -> (logits [1, V], state [1, *])
       h: [R, dim] base hidden states (after the final norm) of the last accepted path, at positions
       P-n .. P-1 (rows past n are stale); next_tokens: [R] the token after each row, so that
       next_tokens[n-1] is the tree root. Returns the root's child logits and the root's state.
+      L: the head's cache slots [0, L) this step touches (None: all), so that a draft's attention
+      costs what the live prefix costs, as verification's does (live_span).
   expand(base, depth, parent_state [F, *], tokens [F], attn) -> (logits [F or 1, V], state [F, *])
       the child logits of F tree nodes at `depth` given their tokens and their parents' states.
       Logits of one row mean "the same for every node" (Medusa's heads ignore the path).
@@ -133,7 +135,7 @@ class Medusa(nn.Module):
         y = self.medusa_head[k](x)
         return y if self.lm_head else shared_logits(self, base, y)
 
-    def begin(self, base, h, next_tokens, n, P):
+    def begin(self, base, h, next_tokens, n, P, L=None):
         x = last_row(h, n)
         return self.head_logits(base, 0, x), x
 
@@ -161,13 +163,13 @@ class CachedLayer(nn.Module):
         self.register_buffer("freqs_cis", precompute_freqs_cis(a, max_seq_len, w.device), persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        # x: [R, dim]; positions, slots: [R]; mask: bool [R, max_seq_len]
+        # x: [R, dim]; positions, slots: [R]; mask: bool [R, L]: attention reads the first L slots
         return self.block(x[None], self.freqs_cis[positions], mask[None, None], slots)[0]
 
-    def catch_up(self, x: Tensor, P_minus_n: Tensor) -> Tensor:
-        # rows of the accepted path at positions P-n+j, written at the same slots, causal
+    def catch_up(self, x: Tensor, P_minus_n: Tensor, L=None) -> Tensor:
+        # rows of the accepted path at positions P-n+j, written at the same slots, causal; L: see begin
         pos = P_minus_n + torch.arange(x.shape[0], device=x.device)
-        mask = torch.arange(self.max_seq_len, device=x.device)[None, :] <= pos[:, None]
+        mask = torch.arange(self.max_seq_len, device=x.device)[:L][None, :] <= pos[:, None]
         return self(x, pos, pos, mask)
 
 
@@ -199,8 +201,8 @@ class Eagle(nn.Module):
         note_context(self, base, next_tokens, reset=True)
         self.layer.catch_up(self.rows(base, h[:-1], next_tokens[:-1]), torch.zeros((), dtype=torch.long))
 
-    def begin(self, base, h, next_tokens, n, P):
-        out = self.layer.catch_up(self.rows(base, h, next_tokens), P - n)
+    def begin(self, base, h, next_tokens, n, P, L=None):
+        out = self.layer.catch_up(self.rows(base, h, next_tokens), P - n, L)
         x = last_row(out, n)
         return shared_logits(self, base, x), x
 
@@ -256,9 +258,9 @@ class Hydra(nn.Module):
         if self.prefix:
             self.prefix.catch_up(h[:-1].to(self.prefix_norm.weight.dtype), torch.zeros((), dtype=torch.long))
 
-    def begin(self, base, h, next_tokens, n, P):
+    def begin(self, base, h, next_tokens, n, P, L=None):
         if self.prefix:
-            h = self.prefix_norm(self.prefix.catch_up(h.to(self.prefix_norm.weight.dtype), P - n))
+            h = self.prefix_norm(self.prefix.catch_up(h.to(self.prefix_norm.weight.dtype), P - n, L))
         return self.expand(base, 0, last_row(h, n), last_row(next_tokens, n), None)
 
     def expand(self, base, depth, parent_state, tokens, attn):
@@ -288,14 +290,14 @@ class NGram(nn.Module):
     def prefill(self, base, h, next_tokens):
         self.ids[1: len(next_tokens) + 1] = next_tokens
 
-    def begin(self, base, h, next_tokens, n, P):
+    def begin(self, base, h, next_tokens, n, P, L=None):
         R = next_tokens.shape[0]
         # rows past n land beyond the root at P: stale, and never matched (windows end before P)
         self.ids.index_copy_(0, P - n + 1 + torch.arange(R, device=P.device), next_tokens)
         start = torch.full_like(P, -1)
         for g in range(1, self.n + 1):  # a longer match overrides a shorter one
             key = self.ids[(P - g + 1 + torch.arange(g, device=P.device)).clamp(min=0)]     # [g]
-            windows = self.ids.unfold(0, g, 1)                                              # [S-g+1, g]
+            windows = self.ids[:L].unfold(0, g, 1)                                          # [L-g+1, g]
             s = torch.arange(windows.shape[0], device=P.device)
             hit = (windows == key).all(-1) & (s + g <= P) & (P - g + 1 >= 0)
             start = torch.where(hit.any(), torch.where(hit, s + g, -1).max(), start)
@@ -378,36 +380,45 @@ def plan_to(plan: StaticPlan, device) -> StaticPlan:
                       plan.paths)
 
 
-def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor):
+def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor, L=None):
     """Attention inputs for expanding tree nodes in a head's own cache (EAGLE): node i of depth d
     sits at position P+d-1 and scratch slot S0+i, after the catch-up rows; it sees the
     accepted prefix [0, P) and the scratch slots of its ancestors (the root's row is in the prefix).
-    nodes: [F] node ids (>= 1); anc: bool [F, M] ancestors-or-self among node ids 0..M-1."""
+    nodes: [F] node ids (>= 1); anc: bool [F, M] ancestors-or-self among node ids 0..M-1; L: as begin's."""
     if not head.needs_attn:
         return None
     dev = nodes.device
     S0 = P - n + D + 1
     M = anc.shape[1]
-    j = torch.arange(head.cache_len, device=dev) - S0             # slot -> node id
+    j = torch.arange(head.cache_len, device=dev)[:L] - S0         # slot -> node id
     scratch = (j > 0) & (j < M)                                   # the root's row is in the prefix
     mask = (j < P - S0)[None, :] | (anc[:, j.clamp(0, M - 1)] & scratch[None, :])
     return (P + depth - 1).expand(nodes.shape[0]), S0 + nodes, mask
 
 
-def lookup_chain(head, base, h, next_tokens, n, P, depth: int):
+def lookup_chain(head, base, h, next_tokens, n, P, depth: int, L=None):
     # WithLookup's proposal, [depth]; where there is none, token 0: harmless, verification checks every token
-    return head.ngram.begin(base, h, next_tokens, n, P)[1][0, :depth].clamp(min=0)
+    return head.ngram.begin(base, h, next_tokens, n, P, L)[1][0, :depth].clamp(min=0)
 
 
-def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
-    """Tokens for every node of a fixed tree. Returns (draft_tokens [N], tree)."""
+def head_slots(L, D: int, M: int):
+    """The head's cache slots a step touches when verification attends the base's first L: the
+    catch-up's D+1 rows from P-n < L, then M scratch slots (L + D + 1 + M is at most the head's cache,
+    which setup_caches sizes so)."""
+    return None if L is None else L + D + 1 + M
+
+
+def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P, L=None):
+    """Tokens for every node of a fixed tree. L: the base's live cache slots (None: all).
+    Returns (draft_tokens [N], tree)."""
     tree, D = plan.tree, plan.tree.depth
+    L = head_slots(L, D, tree.num_nodes)
     root = last_row(next_tokens, n)                               # [1]
     if plan.lookup:
-        chain = lookup_chain(head, base, h, next_tokens, n, P, D)  # [D]
+        chain = lookup_chain(head, base, h, next_tokens, n, P, D, L)  # [D]
         head = head.head
     note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
-    logits, state = head.begin(base, h, next_tokens, n, P)       # [1, V], [1, *]
+    logits, state = head.begin(base, h, next_tokens, n, P, L)    # [1, V], [1, *]
     out = [root]
     for d in range(1, D + 1):
         top = logits.topk(plan.topk[d], dim=-1).indices           # [rows or 1, topk]
@@ -416,34 +427,35 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P):
         out += [tokens, chain[d - 1:d]] if plan.lookup else [tokens]
         if d < D:
             nodes = plan.expand_nodes[d]
-            attn = draft_attn(head, P, n, d, D, nodes, tree.tree_mask[nodes])
+            attn = draft_attn(head, P, n, d, D, nodes, tree.tree_mask[nodes], L)
             logits, state = head.expand(base, d, state[plan.expand_parent_row[d]], tokens[plan.expand_offset[d]], attn)
     return torch.cat(out), tree
 
 
-def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, total_tokens: int):
+def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, total_tokens: int, L=None):
     """EAGLE-2's dynamic tree: expand the top_k best frontier nodes by cumulative log-prob for
     `depth` levels, then keep the best total_tokens - 1 of all drafted nodes. Static shapes.
     Pool node j (0-based) has id j+1 (0 is the root) for the head's scratch slots.
     A WithLookup head adds its prompt-lookup chain, `depth` nodes deep, after the selected nodes."""
     chain = None
+    M = top_k + (depth - 1) * top_k * top_k
+    L = head_slots(L, depth, M + 1)
     if isinstance(head, WithLookup):
-        chain = lookup_chain(head, base, h, next_tokens, n, P, depth)  # [depth]
+        chain = lookup_chain(head, base, h, next_tokens, n, P, depth, L)  # [depth]
         head = head.head
     root = last_row(next_tokens, n)
     note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
-    logits, state = head.begin(base, h, next_tokens, n, P)
+    logits, state = head.begin(base, h, next_tokens, n, P, L)
     logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
     scores, tokens = logp[0].topk(top_k)                          # [k]
     tokens = token_ids(head, tokens)
-    M = top_k + (depth - 1) * top_k * top_k
     dev = scores.device
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((top_k,), -1, device=dev)]
     ids = torch.arange(1, top_k + 1, device=dev)                  # frontier ids
     anc = F.one_hot(ids, M + 1).bool()                            # [k, M+1] ancestors-or-self
     state = state.expand(top_k, *state.shape[1:])
     for d in range(1, depth):
-        attn = draft_attn(head, P, n, d, depth, ids, anc)
+        attn = draft_attn(head, P, n, d, depth, ids, anc, L)
         logits, st = head.expand(base, d, state, tokens, attn)   # [k or 1, V]
         cand = scores[:, None] + torch.log_softmax(logits.float(), -1)  # [k, V]
         cs, ct = cand.topk(top_k, dim=-1)                         # [k, k]

@@ -108,8 +108,8 @@ class Oracle(nn.Module):
     def prefill(self, base, h, next_tokens):
         self.inner.prefill(base, h, next_tokens)
 
-    def begin(self, base, h, next_tokens, n, P):
-        logits, state = self.inner.begin(base, h, next_tokens, n, P)
+    def begin(self, base, h, next_tokens, n, P, L=None):
+        logits, state = self.inner.begin(base, h, next_tokens, n, P, L)
         self.P = P
         return self._bias(logits, 0), state
 
@@ -642,6 +642,40 @@ def test_eagle_draft_nodes_see_exactly_their_path(n, lookup):
                 torch.testing.assert_close(logits[r], base.output(f)[0], atol=1e-4, rtol=1e-4)
                 checked += 1
     assert checked == sum(len(x) for x in plan.expand_nodes[1:])
+
+
+@pytest.mark.parametrize("kind,dynamic", [("eagle", False), ("eagle", True), ("hydra++", False)])
+def test_draft_over_the_live_span_equals_the_draft_over_the_whole_cache(kind, dynamic):
+    """spec_step lets the draft attend only the head's first L + D + 1 + M cache slots (L: the base's
+    live span, at least P + the tree's nodes): the prefix, the catch-up rows and the scratch rows. The
+    draft tokens and what the draft leaves in the head's caches are then those of a draft over every
+    slot; a span too short for a scratch or catch-up row fails here. Slots past the span hold noise."""
+    base, P, n = tiny_model(seed=4), 24, 2
+    head = H.WithLookup(make_head(kind, TINY, seed=5), H.NGram(TINY.vocab_size))
+    g = torch.Generator().manual_seed(6)
+    if dynamic:
+        k, D, total = 3, 3, 10
+        M = k + (D - 1) * k * k + 1
+        draft = lambda hd, h, t, L: H.draft_dynamic(hd, base, h, t, torch.tensor(n), torch.tensor(P), k, D, total, L)
+    else:
+        plan = H.static_plan(T.load_tree("tree16"), lookup=True)
+        D, M = plan.tree.depth, plan.tree.num_nodes
+        draft = lambda hd, h, t, L: H.draft_static(hd, base, plan, h, t, torch.tensor(n), torch.tensor(P), L)
+    L = P + M                                              # the shortest span a step of M nodes gets
+    head.setup_caches(TINY.max_seq_len + D + 1 + M)
+    with torch.no_grad():
+        for b in head.buffers():                           # noise in every slot, then the prompt's rows
+            b.copy_(torch.randint(0, TINY.vocab_size, b.shape, generator=g) if b.dtype == torch.long
+                    else torch.randn(b.shape, generator=g).to(b.dtype) if b.is_floating_point() else b)
+    h = torch.randn(P - n + 1 + D + 1, TINY.dim, generator=g)
+    tokens = torch.randint(0, TINY.vocab_size, (P - n + 1 + D + 1,), generator=g)
+    with torch.inference_mode():
+        head.prefill(base, h[:P - n + 1], tokens[:P - n + 1])
+        other = copy.deepcopy(head)
+        whole, live = draft(head, h[-(D + 1):], tokens[-(D + 1):], None), draft(other, h[-(D + 1):], tokens[-(D + 1):], L)
+    assert torch.equal(whole[0], live[0])
+    for a, b in zip(head.buffers(), other.buffers()):  # (SDPA over fewer slots sums in another order)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- --tree auto
