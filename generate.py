@@ -213,11 +213,14 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
             {d: med[("draft", d)] for d in depths if ("draft", d) in med})
 
 
-def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
+def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
     """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
     dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
     lacks one of `wanted` (all of them again, so that one table is one run), else nothing. Returns
-    every cached n, `wanted` and any measured before."""
+    every cached n, `wanted` and any measured before. ref: an n that every run measures beside the
+    others; a later run's times are scaled to the table's first run by it, since only ratios between
+    the sizes decide and this host's speed drifts by 10-30% over minutes (one row timed 18.5 ms in a
+    later run against 14.1 in the first made 9 rows look cheaper than one)."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(folder) / f"step-costs-{name}.json"
@@ -227,7 +230,9 @@ def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
         if rec.get("key") == key:
             costs = {int(n): t for n, t in rec["costs"].items()}
     if any(n not in costs for n in wanted):
-        costs.update(measure(list(wanted)))
+        new = measure(list(wanted))
+        scale = costs[ref] / new[ref] if ref in costs and ref in new else 1.0
+        costs.update({n: t * scale for n, t in new.items() if n != ref or ref not in costs})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(key=key, costs=dict(sorted(costs.items()))), indent=1))
@@ -261,10 +266,16 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
         if compile_mode else (lambda f: f)
     compile_mode = compile_mode and f"{compile_mode} {compiled.gemm}"  # the timings' GEMM backends
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
-                            lambda rs: step_costs(model, None, compiled, rows=rs)[0], ckpt.CACHE_DIR)
-    t_draft = {} if head is None else cached_costs(
-        cost_key(model, device, compile_mode, checkpoint, head, heads_dir), depths,
-        lambda ds: step_costs(model, head, compiled, rows=(), depths=ds)[1], ckpt.CACHE_DIR)
+                            lambda rs: step_costs(model, None, compiled, rows=sorted({1, *rs}))[0], ckpt.CACHE_DIR,
+                            ref=1)
+    if head is None:
+        return t_verify, {}
+
+    def draft_costs(ds):  # in the verify table's units: one row timed in the same turns
+        one, draft = step_costs(model, head, compiled, rows=(1,), depths=ds)
+        return {d: t * t_verify[1] / one[1] for d, t in draft.items()}
+    t_draft = cached_costs(cost_key(model, device, compile_mode, checkpoint, head, heads_dir), depths, draft_costs,
+                           ckpt.CACHE_DIR)
     return t_verify, t_draft
 
 

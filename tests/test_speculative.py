@@ -692,6 +692,10 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
     # more rows than cached: all of them measured again, in one run, and kept beside the others
     assert G.cached_costs(key, (1, 2), measure, tmp_path) == {1: 0.01, 2: 0.02, 8: 0.08} and calls[-1] == [1, 2]
     assert G.cached_costs(key, (1, 2, 8), measure, tmp_path) and len(calls) == 3
+    # a later run on a host running at half speed: scaled to the first run's units by the size both timed
+    slow = lambda rows: calls.append(rows) or {n: 0.02 * n for n in rows}
+    assert G.cached_costs(key, (1, 4), slow, tmp_path, ref=1) == {1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08}
+    assert G.cached_costs({**key, "dtype": "x"}, (1, 4), slow, tmp_path, ref=1) == {1: 0.02, 4: 0.08}  # a new table
 
 
 def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatch):
@@ -754,10 +758,13 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     (other / "acceptance.json").write_text((folder / "acceptance.json").read_text())
     timed = []
     monkeypatch.setattr(G, "step_costs", lambda m, h, c, rows=G.ROWS, depths=G.DEPTHS, **k:
-                        timed.append(list(rows)) or ({}, {d: 1e-3 * d for d in depths}))
+                        timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths}))
     G.resolve_tree(model, head, other, "auto", "cpu")
-    # at most the size it chose, beside one row (in the same turns)
-    assert timed[0] == [] and all(rows[0] == 1 and len(rows) == 2 for rows in timed[1:]), timed
+    # the draft beside one row (its times in the verify table's units), then at most the size it chose
+    # beside one row (in the same turns)
+    assert timed[0] == [1] and all(rows[0] == 1 and len(rows) == 2 for rows in timed[1:]), timed
+    verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1,))
+    assert t_draft[1] == pytest.approx(1e-3 * verify[1] / 2e-3)
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
     if tree is not None:
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
