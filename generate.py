@@ -156,12 +156,15 @@ ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
 ENGINE = ("model.py", "heads.py", "trees.py", "generate.py", "quantize.py")  # whose code the timings time
 
 
-def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20):
+def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, tree=None):
     """What a speculative step is made of, on this machine: seconds of a base forward over N tree
     rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
     given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
-    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). Medians of `reps`
-    calls taken in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s})."""
+    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). tree (static
+    index paths, head given): also the whole decode steps as the loop calls them, plain (ar_step)
+    and speculative with that tree (spec_step), host sync included. Medians of `reps` calls taken
+    in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s}, {"ar": s, "spec": s}
+    or {})."""
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     depths = list(depths) if head is not None else []
@@ -170,7 +173,10 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     rows = [N for N in rows if prefix + N + 2 * max_depth + 2 <= model.args.max_seq_len]
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
-    setup_caches(model, head, prefix + max_rows + max_depth + 1, max_rows + 2 * max_depth + 2)
+    spec = tree is not None and speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
+    if spec:
+        max_depth, max_rows = max(max_depth, spec[2]), max(max_rows, spec[3])
+    setup_caches(model, head, prefix + max_rows + max_depth + 1, max(max_rows + 2 * max_depth + 2, spec and spec[4]))
     P = torch.tensor(prefix, device=dev)
 
     def verify_fn(N):
@@ -197,6 +203,16 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                 plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
                 _, state = start(model, head, ctx, d, dict(temperature=0.0))
                 calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
+        if spec:
+            draft_fn, accept, d, nodes, _ = spec
+            ar = compiled(lambda t, pos, span: ar_step(model, t, pos, span=span))
+            sp = compiled(lambda h, t, n, P, span: spec_step(model, draft_fn, accept, h, t, n, P, span))
+            _, state = start(model, head, ctx, d, dict(temperature=0.0))
+            span = live_span(model, 1) or (lambda P: None)
+            tree_span = live_span(model, nodes) or (lambda P: None)
+            host = lambda out: torch.cat([out[1].view(1), out[0]]).tolist()  # the loop's one host sync
+            calls[("step", "ar")] = lambda: host(ar(ctx[-1], P, span(prefix)))
+            calls[("step", "spec")] = lambda: host(sp(*state, tree_span(prefix)))
         for fn in tqdm(calls.values(), desc="timing the step's parts (once per machine and model)", unit="shape",
                        file=sys.stderr):
             fn(), fn()  # compile (and autotune) outside the timing
@@ -210,7 +226,8 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                 times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return ({N: med[("verify", N)] for N in rows},
-            {d: med[("draft", d)] for d in depths if ("draft", d) in med})
+            {d: med[("draft", d)] for d in depths if ("draft", d) in med},
+            {k: med[("step", k)] for k in ("ar", "spec") if ("step", k) in med})
 
 
 def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
@@ -272,11 +289,30 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
         return t_verify, {}
 
     def draft_costs(ds):  # in the verify table's units: one row timed in the same turns
-        one, draft = step_costs(model, head, compiled, rows=(1,), depths=ds)
+        one, draft, _ = step_costs(model, head, compiled, rows=(1,), depths=ds)
         return {d: t * t_verify[1] / one[1] for d, t in draft.items()}
     t_draft = cached_costs(cost_key(model, device, compile_mode, checkpoint, head, heads_dir), depths, draft_costs,
                            ckpt.CACHE_DIR)
     return t_verify, t_draft
+
+
+def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, paths) -> tuple:
+    """(o_ar, o_spec): seconds that a whole decode step, plain and with the tree `paths`, costs beyond
+    its forwards (the base over its rows, the draft's levels), in t_verify's units: the loop's host
+    sync, sampling or acceptance, compaction, the step's own Python. Timed once per tree (cached):
+    the forwards alone predicted a step of 1.47 AR steps where the story prompt's cost 1.64 (Zen 5)."""
+    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
+        if compile_mode else (lambda f: f)
+    depth, nodes = max(len(p) for p in paths), static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
+
+    def measure(_):
+        verify, draft, step = step_costs(model, head, compiled, rows=(1, nodes), depths=(depth,), tree=paths)
+        scale = t_verify[1] / verify[1]
+        return {0: (step["ar"] - verify[1]) * scale, 1: (step["spec"] - draft[depth] - verify[nodes]) * scale}
+    key = {**cost_key(model, device, compile_mode and f"{compile_mode} {compiled.gemm}", checkpoint, head, heads_dir),
+           "part": "overhead", "tree": paths}
+    o = cached_costs(key, (0, 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, 1: the tree's
+    return o[0], o[1]
 
 
 def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
@@ -303,20 +339,29 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][n]]
     elif lookup and n in heldout.get("lookup", {}).get("counts", {}):
         hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
-    choose = lambda t_verify: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
-                                          both=both)
-    choice = choose(t_verify)
-    # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
-    # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed;
-    # with one row in the same turns: timed alone, minutes later, 9 rows once measured 19 ms against
-    # 25 in turns with one row (Zen 5), and the ratio is what decides. (Every size again each time
-    # cost minutes a round when the choice moved on to yet another size.)
-    for _ in range(3):
-        if choice["paths"] is None or choice["nodes"] in t_verify:
-            break
-        t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(1, choice["nodes"]))
-        choice = choose(t_verify)
-    return choice
+    def choose(overhead=(0.0, 0.0)):
+        # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
+        # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed,
+        # with one row in the same turns (cached_costs keeps a table in one run's units). (Every size
+        # again each time cost minutes a round when the choice moved on to yet another size.)
+        nonlocal t_verify
+        pick = lambda: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
+                                   both=both, overhead=overhead)
+        choice = pick()
+        for _ in range(3):
+            if choice["paths"] is None or choice["nodes"] in t_verify:
+                break
+            t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint,
+                                         rows=(1, choice["nodes"]))
+            choice = pick()
+        return choice
+    choice = choose()
+    if choice["paths"] is None:
+        return choice
+    # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
+    # tree is then weighed with that fixed cost (close for trees of similar size)
+    overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, choice["paths"])
+    return {**choose(overhead), "overhead": overhead}
 
 
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):

@@ -196,7 +196,8 @@ def interpolate(costs: dict, n: int) -> float:
 
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
-                lookup: bool = False, lookup_hits: Optional[list] = None, both: Optional[dict] = None) -> dict:
+                lookup: bool = False, lookup_hits: Optional[list] = None, both: Optional[dict] = None,
+                overhead: tuple = (0.0, 0.0)) -> dict:
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
     machine: for every size n and depth limit d, the best tree (best_subtrees) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
@@ -211,10 +212,12 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     most frequent prefixes, so the brute-force optimum is promised only without). both {path: roots}:
     measured jointly (step_counts), how many of a path's roots the lookup chain got as deep too; then
     no independence is assumed: tau = 1 + sum_j b_j + sum over the tree's paths of (counts - both) / roots.
+    overhead (o_ar, o_spec): seconds a decode step costs beyond its forwards (the loop's host sync,
+    sampling or acceptance, compaction), added to plain decoding's step and to every tree's.
     Returns dict(paths (None: plain decoding),
     nodes, depth, tau, speedup: predicted, against plain decoding), plus `candidates`, the best of
     each size."""
-    t_ar = interpolate(t_verify, 1)
+    t_ar = interpolate(t_verify, 1) + overhead[0]
     best = dict(paths=None, nodes=1, depth=0, tau=1.0, speedup=1.0)
     candidates = []
     joint = lookup and lookup_hits and both is not None
@@ -242,7 +245,7 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
                 tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b))
             else:
                 tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
-            speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes))
+            speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) + overhead[1])
             cand = dict(paths=paths, nodes=nodes, depth=depth, tau=tau, speedup=speedup)
             candidates.append(cand)
             if speedup > best["speedup"]:

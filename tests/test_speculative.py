@@ -727,7 +727,7 @@ def test_step_costs_compile_any_number_of_row_counts():
     limit of 8 recompiles a code object, in one process, are still timed."""
     model = tiny_model()
     compiled = lambda f: torch.compile(f, backend="eager", fullgraph=True, dynamic=False)  # as compile_step
-    verify, _ = G.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)
+    verify = G.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)[0]
     assert sorted(verify) == list(range(1, 11)) and all(t > 0 for t in verify.values())
 
 
@@ -752,13 +752,21 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
         assert G.resolve_tree.choice["nodes"] in verify
     monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree
+    if tree is not None:  # the whole steps were timed (eager, real) beside the forwards, and cached
+        verify, _ = G.measured_costs(model, None, folder, "cpu")
+        c = G.resolve_tree.choice
+        (o_ar, o_spec), (_, t_draft) = c["overhead"], G.measured_costs(model, head, folder, "cpu", depths=(1, 4))
+        assert abs(o_ar) < verify[1] and abs(o_spec) < 5 * verify[1]  # (a tiny model: either sign)
+        assert c["speedup"] == pytest.approx(c["tau"] * (verify[1] + o_ar) / (
+            T.interpolate(t_draft, c["depth"]) + T.interpolate(verify, c["nodes"]) + o_spec))
     # another head on the same base: only its draft levels are timed, verification's costs are shared
     other = tmp_path / "other"
     other.mkdir()
     (other / "acceptance.json").write_text((folder / "acceptance.json").read_text())
     timed = []
-    monkeypatch.setattr(G, "step_costs", lambda m, h, c, rows=G.ROWS, depths=G.DEPTHS, **k:
-                        timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths}))
+    monkeypatch.setattr(G, "step_costs", lambda m, h, c, rows=G.ROWS, depths=G.DEPTHS, tree=None, **k:
+                        timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths},
+                                                     {"ar": 2.5e-3, "spec": 9e-3} if tree else {}))
     G.resolve_tree(model, head, other, "auto", "cpu")
     # the draft beside one row (its times in the verify table's units), then at most the size it chose
     # beside one row (in the same turns)

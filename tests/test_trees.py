@@ -281,6 +281,14 @@ def test_choose_tree_follows_the_costs():
     assert chosen == sorted(chosen) and chosen[0] == (1, 0) and chosen[-1][1] == 4 and chosen[-1][0] > 5
     shallow = T.choose_tree(counts, roots, {1: 1.0, 64: 1.0}, {1: 0.02, 2: 0.04, 3: 1.0, 4: 2.0})
     assert shallow["depth"] == 2                                                    # deep levels too dear
+    # a step's cost beyond its forwards: dear for the tree's step, plain decoding wins; for both, trees
+    # pay their fixed cost over more tokens
+    t_verify, t_draft = {1: 1.0, 64: 1.0 + 63 * 0.1}, {1: 0.02, 4: 0.08}
+    assert T.choose_tree(counts, roots, t_verify, t_draft, overhead=(0.0, 5.0))["paths"] is None
+    plain, both = (T.choose_tree(counts, roots, t_verify, t_draft, overhead=o) for o in ((0.0, 0.0), (0.5, 0.5)))
+    assert both["speedup"] == pytest.approx(both["tau"] * 1.5 / (T.interpolate(t_draft, both["depth"]) +
+                                                               T.interpolate(t_verify, both["nodes"]) + 0.5))
+    assert (both["nodes"], both["depth"]) >= (plain["nodes"], plain["depth"]) and both["speedup"] > plain["speedup"]
 
 
 def test_choose_tree_counts_the_lookup_branch():
