@@ -176,7 +176,8 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     spec = tree is not None and speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
     if spec:
         max_depth, max_rows = max(max_depth, spec[2]), max(max_rows, spec[3])
-    setup_caches(model, head, prefix + max_rows + max_depth + 1, max(max_rows + 2 * max_depth + 2, spec and spec[4]))
+    setup_caches(model, head, prefix + max_rows + max_depth + 1,
+                 max(max_rows + 2 * max_depth + 2, spec[4] if spec else 0))
     P = torch.tensor(prefix, device=dev)
 
     def verify_fn(N):
@@ -273,15 +274,21 @@ def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, 
             "lookup": isinstance(head, WithLookup)}
 
 
+def timing_compiler(model, device: str, compile_mode, checkpoint):
+    """How the step's timings compile (compile_mode None: eager), and the mode their cache keys name:
+    with the GEMM backends `compiler` chose, which the timings depend on."""
+    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
+        if compile_mode else (lambda f: f)
+    return compiled, compile_mode and f"{compile_mode} {compiled.gemm}"
+
+
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
                    depths=DEPTHS):
     """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
     cost_key and kept under the project's cache folder: verification once for the base model (every
     head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
     share them. Returns ({N: s}, {depth: s}) (no head: {})."""
-    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f: f)
-    compile_mode = compile_mode and f"{compile_mode} {compiled.gemm}"  # the timings' GEMM backends
+    compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
                             lambda rs: step_costs(model, None, compiled, rows=sorted({1, *rs}))[0], ckpt.CACHE_DIR,
                             ref=1)
@@ -302,16 +309,14 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
     sync, sampling or acceptance, compaction, the one-row step's own attention path. Timed once per
     tree (cached). Zen 5: the AR step ran 1.44 ms under the one-row forward, a 6-node tree's step
     0.26 ms under its parts, so the parts alone had made a tree look about 10% cheaper than it is."""
-    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f: f)
+    compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     depth, nodes = max(len(p) for p in paths), static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
 
     def measure(_):
         verify, draft, step = step_costs(model, head, compiled, rows=(1, nodes), depths=(depth,), tree=paths)
         scale = t_verify[1] / verify[1]
         return {0: (step["ar"] - verify[1]) * scale, 1: (step["spec"] - draft[depth] - verify[nodes]) * scale}
-    key = {**cost_key(model, device, compile_mode and f"{compile_mode} {compiled.gemm}", checkpoint, head, heads_dir),
-           "part": "overhead", "tree": paths}
+    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "tree": paths}
     o = cached_costs(key, (0, 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, 1: the tree's
     return o[0], o[1]
 
