@@ -454,7 +454,7 @@ def compile_step(fn, device: str, mode=None, gemm=None):
     options = list_mode_options(mode)
     if not device.startswith("cuda"):
         options["guard_filter_fn"] = lean_guards
-        # the kernels called from C++, not Python: the Python wrapper took 1.2 ms of a 10 ms token step
+        # the kernels called from C++, not Python: the Python wrapper took 1.2 ms of a 10 ms token step, profiled
         # (2.5 of a tree step's 22) on a 2-core Zen 5; story prompt, AR 104 -> 113 tok/s, a tree 105 -> 113
         options["cpp_wrapper"] = True
         if gemm and "max-autotune" in mode:
