@@ -454,8 +454,8 @@ def compile_step(fn, device: str, mode=None, gemm=None):
     options = list_mode_options(mode)
     if not device.startswith("cuda"):
         options["guard_filter_fn"] = lean_guards
-        # the kernels called from C++, not Python: the Python wrapper took 1.2 ms of a 10 ms token step, profiled
-        # (2.5 of a tree step's 22) on a 2-core Zen 5; story prompt, AR 104 -> 113 tok/s, a tree 105 -> 113
+        # the kernels called from C++, not Python: profiled on a 2-core Zen 5, the Python wrapper took 1.2 ms
+        # of a 10 ms token step (2.5 of a tree step's 22); side by side, Spec-Bench: AR 1.04x, a tree 1.075x faster
         options["cpp_wrapper"] = True
         if gemm and "max-autotune" in mode:
             options["max_autotune_gemm_backends"] = gemm
