@@ -235,10 +235,12 @@ def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
     """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
     dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
     lacks one of `wanted` (all of them again, so that one table is one run), else nothing. Returns
-    every cached n, `wanted` and any measured before. ref: an n that every run measures beside the
-    others; a later run's times are scaled to the table's first run by it, since only ratios between
-    the sizes decide and this host's speed drifts by 10-30% over minutes (one row timed 18.5 ms in a
-    later run against 14.1 in the first made 9 rows look cheaper than one)."""
+    every cached n, `wanted` and any measured before. ref: an n (or two) that every run measures
+    beside the others; a later run's times are mapped to the table's first run by it, since only the
+    sizes' ratios decide and this host's speed drifts by 10-30% over minutes (one row timed 18.5 ms in
+    a later run against 14.1 in the first made 9 rows look cheaper than one): by the ratio of one, or
+    by the line through two that bracket the new n, which puts it between its neighbours as its own
+    run ordered them (scaled by one row alone, 9 rows came out at 1.43x one row, 1.26x side by side)."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(folder) / f"step-costs-{name}.json"
@@ -249,8 +251,13 @@ def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
             costs = {int(n): t for n, t in rec["costs"].items()}
     if any(n not in costs for n in wanted):
         new = measure(list(wanted))
-        scale = costs[ref] / new[ref] if ref in costs and ref in new else 1.0
-        costs.update({n: t * scale for n, t in new.items() if n != ref or ref not in costs})
+        refs = [r for r in ((ref,) if isinstance(ref, int) else ref or ()) if r in costs and r in new]
+        a, b = (refs + refs)[:2] if refs else (None, None)
+        if a != b and (costs[b] - costs[a]) * (new[b] - new[a]) > 0:  # the line through both refs
+            to = lambda t: costs[a] + (t - new[a]) * (costs[b] - costs[a]) / (new[b] - new[a])
+        else:  # one ref (or two this run put in the other order): its ratio
+            to = lambda t: t * (costs[a] / new[a] if refs else 1.0)
+        costs.update({n: to(t) for n, t in new.items() if n not in refs})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(key=key, costs=dict(sorted(costs.items()))), indent=1))
@@ -283,15 +290,16 @@ def timing_compiler(model, device: str, compile_mode, checkpoint):
 
 
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
-                   depths=DEPTHS):
+                   depths=DEPTHS, refs=(1,)):
     """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
     cost_key and kept under the project's cache folder: verification once for the base model (every
     head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
-    share them. Returns ({N: s}, {depth: s}) (no head: {})."""
+    share them. refs: the rows every run times (cached_costs' ref). Returns ({N: s}, {depth: s}) (no
+    head: {})."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
-                            lambda rs: step_costs(model, None, compiled, rows=sorted({1, *rs}))[0], ckpt.CACHE_DIR,
-                            ref=1)
+                            lambda rs: step_costs(model, None, compiled, rows=sorted({*refs, *rs}))[0],
+                            ckpt.CACHE_DIR, ref=refs)
     if head is None:
         return t_verify, {}
 
@@ -349,17 +357,20 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     def choose(overhead=(0.0, 0.0)):
         # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
         # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed,
-        # with one row in the same turns (cached_costs keeps a table in one run's units). (Every size
-        # again each time cost minutes a round when the choice moved on to yet another size.)
+        # in the same turns as the timed sizes on either side of it, to which cached_costs maps it.
+        # (Every size again each time cost minutes a round when the choice moved on to another size.)
         nonlocal t_verify
         pick = lambda: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
                                    both=both, overhead=overhead)
         choice = pick()
         for _ in range(3):
-            if choice["paths"] is None or choice["nodes"] in t_verify:
+            N = choice["nodes"]
+            if choice["paths"] is None or N in t_verify:
                 break
-            t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint,
-                                         rows=(1, choice["nodes"]))
+            lo, hi = max(n for n in t_verify if n < N), min((n for n in t_verify if n > N), default=None)
+            refs = (lo, hi) if hi else (lo,)
+            t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(N,),
+                                         refs=refs)
             choice = pick()
         return choice
     choice = choose()

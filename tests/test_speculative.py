@@ -696,6 +696,11 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
     slow = lambda rows: calls.append(rows) or {n: 0.02 * n for n in rows}
     assert G.cached_costs(key, (1, 4), slow, tmp_path, ref=1) == {1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08}
     assert G.cached_costs({**key, "dtype": "x"}, (1, 4), slow, tmp_path, ref=1) == {1: 0.02, 4: 0.08}  # a new table
+    # a size timed between two that the table holds: put on the line through them as its own run timed
+    # them (this run's drift is not a plain ratio to the first's: scaled by 4 rows alone, 6 would be 0.0545)
+    dear = lambda rows: calls.append(rows) or {n: 0.03 + 0.02 * n for n in rows}
+    got = G.cached_costs(key, (4, 6, 8), dear, tmp_path, ref=(4, 8))
+    assert got == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 6: 0.06, 8: 0.08}) and calls[-1] == [4, 6, 8]
 
 
 def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatch):
@@ -768,9 +773,10 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
                         timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths},
                                                      {"ar": 2.5e-3, "spec": 9e-3} if tree else {}))
     G.resolve_tree(model, head, other, "auto", "cpu")
-    # the draft beside one row (its times in the verify table's units), then at most the size it chose
-    # beside one row (in the same turns)
-    assert timed[0] == [1] and all(rows[0] == 1 and len(rows) == 2 for rows in timed[1:]), timed
+    # the draft beside one row (its times in the verify table's units), then the chosen tree's whole step
+    # beside one row, or a size it chose between two timed sizes, in the same turns as those two
+    assert timed[0] == [1] and all(rows[0] == 1 and len(rows) == 2 or len(rows) == 3 and rows[0] < rows[1] < rows[2]
+                                   for rows in timed[1:]), timed
     verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1,))
     assert t_draft[1] == pytest.approx(1e-3 * verify[1] / 2e-3)
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
