@@ -252,11 +252,12 @@ def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
     if any(n not in costs for n in wanted):
         new = measure(list(wanted))
         refs = [r for r in ((ref,) if isinstance(ref, int) else ref or ()) if r in costs and r in new]
-        a, b = (refs + refs)[:2] if refs else (None, None)
-        if a != b and (costs[b] - costs[a]) * (new[b] - new[a]) > 0:  # the line through both refs
+        to = lambda t: t
+        if len(refs) == 2 and (costs[refs[1]] - costs[refs[0]]) * (new[refs[1]] - new[refs[0]]) > 0:
+            a, b = refs  # the line through both
             to = lambda t: costs[a] + (t - new[a]) * (costs[b] - costs[a]) / (new[b] - new[a])
-        else:  # one ref (or two this run put in the other order): its ratio
-            to = lambda t: t * (costs[a] / new[a] if refs else 1.0)
+        elif refs:  # one (or two this run put in the other order): the first's ratio
+            to = lambda t, s=costs[refs[0]] / new[refs[0]]: t * s
         costs.update({n: to(t) for n, t in new.items() if n not in refs})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
