@@ -156,7 +156,7 @@ class Attention(nn.Module):
         L = mask.shape[-1]  # the live slots: attention costs what the prefix costs, not the static cache
         k, v = k[:, :, :L], v[:, :, :L]  # [B, H_kv, L, D]
         if tree_mask is not None:
-            y = tree_attention(q, k, v, k_new, v_new, mask, tree_mask)
+            y = self.tree_attention(q, k, v, k_new, v_new, mask, tree_mask)
             return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
         if T > 1:  # prefill and EAGLE's draft rows
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
@@ -175,6 +175,9 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
         return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_size))
+
+    def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4)
+        return tree_attention(*args)
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, prefix: Tensor,

@@ -1,0 +1,346 @@
+"""The tree step's kernels for CPUs with AVX-512 bf16 but no AMX (AMD Zen 4), bf16.
+
+A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
+ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
+converts bf16 to fp32 and runs FMAs (no vdpbf16ps micro-kernel), bound by arithmetic past a few
+rows, and oneDNN streams the weights at about 14 GB/s with a per-call floor of 30-40 us; the tree
+attention, written in torch ops, costs two bmm calls, a copy of the cache span to fp32 and a
+softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products summed into fp32):
+
+- rows_linear: the weights packed once (pack) so that each 64-byte line holds 16 columns' pair of k;
+  every line loaded meets all the rows from registers, with no horizontal sums, and each thread
+  streams its panels in order. 8 rows then cost about what one costs (the memory's rate).
+- tree_attention: a kv head's query rows 16 at a time, scores, fp32 softmax and values in one pass.
+
+Each output element sums in the same order whatever the number of rows, so a row gets the same
+result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are;
+built with the C++ compiler that inductor needs anyway, once per machine (torch caches the build
+in ~/.cache/torch_extensions); where that fails the step keeps torch's kernels."""
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import Attention, tree_attention
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstring>
+#include <vector>
+
+// A tile of y: MB rows times NB panels of 16 columns. The weights come packed as [N/16][K/2][16][2]
+// (a panel's 16 columns, a pair of k at a time: one 64-byte line per pair, each panel one stream);
+// vdpbf16ps multiplies a line with a row's pair of x broadcast to all lanes, summing both products
+// into the column's fp32 lane. So each weight line loaded meets all MB rows from registers, there is
+// no horizontal sum, and a thread reads its panels in order (prefetched PD lines ahead).
+template <int MB, int NB>
+static void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t panel, uint16_t* y, int64_t N) {
+  constexpr int64_t PD = 16;
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; m++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K / 2; kk++) {
+    __m512bh b[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++) {
+      b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel + kk * 32);
+      _mm_prefetch((const char*)(w + j * panel + (kk + PD) * 32), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; m++) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kk, 4);
+      __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, b[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; m++)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; j++)
+      _mm256_storeu_si256((__m256i*)(y + m * N + j * 16), (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+}
+
+template <int NB>
+static void rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t panel, uint16_t* y, int64_t N) {
+  // rows in blocks of 8 (8 x 3 accumulators and 3 weight lines fill the 32 registers); a second
+  // block finds this tile's weights in L2
+  for (int64_t m = 0; m < M; m += 8) {
+    const uint16_t* xm = x + m * K;
+    uint16_t* ym = y + m * N;
+    switch (std::min<int64_t>(M - m, 8)) {
+      case 1: tile<1, NB>(xm, K, w, panel, ym, N); break;
+      case 2: tile<2, NB>(xm, K, w, panel, ym, N); break;
+      case 3: tile<3, NB>(xm, K, w, panel, ym, N); break;
+      case 4: tile<4, NB>(xm, K, w, panel, ym, N); break;
+      case 5: tile<5, NB>(xm, K, w, panel, ym, N); break;
+      case 6: tile<6, NB>(xm, K, w, panel, ym, N); break;
+      case 7: tile<7, NB>(xm, K, w, panel, ym, N); break;
+      case 8: tile<8, NB>(xm, K, w, panel, ym, N); break;
+    }
+  }
+}
+
+// y [..., N] = x [..., K] @ w^T, with w packed by pack() below as wp [N/16, K/2, 16, 2]; bf16 in and out
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4
+              && wp.size(2) == 16 && wp.size(3) == 2 && x.size(-1) == 2 * wp.size(1) && wp.is_contiguous(),
+              "rows_linear: bf16 x [..., K] and packed w [N/16, K/2, 16, 2]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), K = xs.size(1), P = wp.size(0), N = 16 * P, panel = 16 * K;
+  auto y = at::empty({M, N}, x.options());
+  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
+  auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
+  auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  constexpr int64_t NB = 3;
+  at::parallel_for(0, (P + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      int64_t p = b * NB;
+      const uint16_t* wb = wq + p * panel;
+      switch (std::min<int64_t>(P - p, NB)) {
+        case 3: rows<3>(xp, M, K, wb, panel, yp + 16 * p, N); break;
+        case 2: rows<2>(xp, M, K, wb, panel, yp + 16 * p, N); break;
+        case 1: rows<1>(xp, M, K, wb, panel, yp + 16 * p, N); break;
+      }
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+// e^x for x in [-100, 0]: 2^n e^f with |f| <= ln2/2, a degree-6 Taylor polynomial (rel. error ~2e-7)
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// One task: 16 query rows (lanes) of one kv head against its J = L + T keys, the L cache slots
+// the prefix mask lets in and the T tree rows the tree mask lets in. Scores with vdpbf16ps (the 16
+// rows' q packed as pairs of d, a key's pair broadcast), fp32 softmax over the keys, and the values
+// summed the same way (RB rows at a time, DV vectors of 16 d each).
+template <int DV>
+static void task(const uint16_t* const* qrow, int nq, const uint16_t* const* krow, const uint16_t* const* vrow,
+                 const __mmask16* allow, int64_t J, float scale, uint16_t* const* yrow, float* S) {
+  constexpr int D = 16 * DV, RB = 16 / DV;
+  alignas(64) uint16_t qp[D / 2][16][2];
+  for (int l = 0; l < 16; l++)
+    for (int kk = 0; kk < D / 2; kk++)
+      for (int e = 0; e < 2; e++) qp[kk][l][e] = l < nq ? qrow[l][2 * kk + e] : 0;
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < J; j0 += 8) {
+    __m512 acc[8];
+    const uint16_t* kr[8];
+    for (int jj = 0; jj < 8; jj++) { acc[jj] = _mm512_setzero_ps(); kr[jj] = krow[std::min<int64_t>(j0 + jj, J - 1)]; }
+    for (int kk = 0; kk < D / 2; kk++) {
+      __m512bh qv = (__m512bh)_mm512_load_si512(&qp[kk][0][0]);
+#pragma GCC unroll 8
+      for (int jj = 0; jj < 8; jj++) {
+        int32_t pair;
+        std::memcpy(&pair, kr[jj] + 2 * kk, 4);
+        acc[jj] = _mm512_dpbf16_ps(acc[jj], (__m512bh)_mm512_set1_epi32(pair), qv);
+      }
+    }
+    for (int jj = 0; jj < 8 && j0 + jj < J; jj++) {
+      __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), allow[j0 + jj], _mm512_mul_ps(acc[jj], _mm512_set1_ps(scale)));
+      _mm512_store_ps(S + 16 * (j0 + jj), s);
+      m = _mm512_max_ps(m, s);
+    }
+  }
+  // p = e^(s - max) in fp32 (their sum, too), then rounded to bf16 in pairs of keys, P2[j/2][lane]
+  // = (p[j], p[j+1]): the values' sum is a vdpbf16ps as well, on pairs (v[j][d], v[j+1][d])
+  __m512 sum = _mm512_setzero_ps();
+  int32_t* P2 = (int32_t*)S;  // (overwrites S two rows behind: pair j/2 lands in row j/2 <= j)
+  for (int64_t j = 0; j < J; j += 2) {
+    __m512 p0 = exp_ps(_mm512_sub_ps(_mm512_load_ps(S + 16 * j), m));
+    __m512 p1 = j + 1 < J ? exp_ps(_mm512_sub_ps(_mm512_load_ps(S + 16 * (j + 1)), m)) : _mm512_setzero_ps();
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+    __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+    _mm512_store_si512(P2 + 16 * (j / 2), _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+  }
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  for (int l0 = 0; l0 < nq; l0 += RB) {
+    __m512 acc[RB][DV];
+    for (int rr = 0; rr < RB; rr++)
+      for (int dv = 0; dv < DV; dv++) acc[rr][dv] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < J; j += 2) {
+      const uint16_t* v0 = vrow[j];
+      const uint16_t* v1 = vrow[std::min<int64_t>(j + 1, J - 1)];  // (an odd J's last pair: p = 0 there)
+      __m512bh vp[DV];
+#pragma GCC unroll 8
+      for (int dv = 0; dv < DV; dv++) {
+        __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v0 + 16 * dv)));
+        __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v1 + 16 * dv)));
+        vp[dv] = (__m512bh)_mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      }
+#pragma GCC unroll 8
+      for (int rr = 0; rr < RB; rr++) {
+        __m512bh p = (__m512bh)_mm512_set1_epi32(P2[16 * (j / 2) + l0 + rr]);
+#pragma GCC unroll 8
+        for (int dv = 0; dv < DV; dv++) acc[rr][dv] = _mm512_dpbf16_ps(acc[rr][dv], p, vp[dv]);
+      }
+    }
+    for (int rr = 0; rr < RB && l0 + rr < nq; rr++)
+      for (int dv = 0; dv < DV; dv++)
+        _mm256_storeu_si256((__m256i*)(yrow[l0 + rr] + 16 * dv),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[rr][dv], _mm512_set1_ps(inv[l0 + rr]))));
+  }
+}
+
+// As model.tree_attention: q [B, H, T, D]; k, v [B, H_kv, L, D] (the cache's span); k_new, v_new
+// [B, H_kv, T, D]; prefix bool [1 or B, L]; tree_mask bool [T, T]. bf16, any strides with the last
+// dim contiguous. Returns y [B, H, T, D].
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_new,
+                          const at::Tensor& v_new, const at::Tensor& prefix, const at::Tensor& tree_mask) {
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), L = k.size(2);
+  for (auto* t : {&q, &k, &v, &k_new, &v_new})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1, "tree_attention: bf16, last dim contiguous");
+  TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
+  auto pre = prefix.reshape({-1, L}).to(at::kBool).contiguous();
+  auto tm = tree_mask.to(at::kBool).contiguous();
+  auto y = at::empty({B, H, T, D}, q.options());
+  int64_t G = H / Hk, R = G * T, NP = (R + 15) / 16, J = L + T;
+  auto base = [](const at::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); };
+  const uint16_t *qb = base(q), *kb = base(k), *vb = base(v), *knb = base(k_new), *vnb = base(v_new);
+  const bool* preb = pre.data_ptr<bool>();
+  const bool* tmb = tm.data_ptr<bool>();
+  uint16_t* yb = (uint16_t*)y.data_ptr<at::BFloat16>();
+  float scale = 1.f / std::sqrt((float)D);
+  at::parallel_for(0, B * Hk * NP, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<const uint16_t*> krow(J), vrow(J);
+    std::vector<__mmask16> allow(J);
+    std::vector<float> Sbuf(16 * J + 16);
+    float* S = (float*)(((uintptr_t)Sbuf.data() + 63) & ~(uintptr_t)63);
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = i / (Hk * NP), h = (i / NP) % Hk, p = i % NP;
+      const uint16_t* qrow[16];
+      uint16_t* yrow[16];
+      int nq = (int)std::min<int64_t>(16, R - 16 * p);
+      for (int l = 0; l < 16; l++) {
+        int64_t r = 16 * p + std::min(l, nq - 1), g = r / T, t = r % T;
+        qrow[l] = qb + b * q.stride(0) + (h * G + g) * q.stride(1) + t * q.stride(2);
+        yrow[l] = yb + ((b * H + h * G + g) * T + t) * D;
+      }
+      const bool* pb = preb + (pre.size(0) == 1 ? 0 : b) * L;
+      for (int64_t j = 0; j < L; j++) {
+        krow[j] = kb + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
+        vrow[j] = vb + b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
+        allow[j] = pb[j] ? 0xFFFF : 0;
+      }
+      for (int64_t u = 0; u < T; u++) {
+        krow[L + u] = knb + b * k_new.stride(0) + h * k_new.stride(1) + u * k_new.stride(2);
+        vrow[L + u] = vnb + b * v_new.stride(0) + h * v_new.stride(1) + u * v_new.stride(2);
+        __mmask16 a = 0;
+        for (int l = 0; l < nq; l++) a |= (__mmask16)(tmb[((16 * p + l) % T) * T + u] ? 1u << l : 0u);
+        allow[L + u] = a | (__mmask16)(0xFFFF << nq);  // (lanes past the rows: anything finite)
+      }
+      if (D == 64) task<4>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, S);
+      else task<8>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, S);
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(treespec, m) {
+  m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(treespec, CPU, m) {
+  m.impl("rows_linear", &rows_linear);
+  m.impl("tree_attention", &tree_attention);
+}
+"""
+
+# the row counts given to rows_linear (a static shape, so chosen when traced): compiled base forward
+# after a 512-token prefix, Zen 4, each against torch's kernels in the same process (docs/speed.md)
+MIN_ROWS, MAX_ROWS = 8, 16
+
+
+def wanted(device, dtype) -> bool:
+    """bf16 on a CPU with AVX-512 bf16 and no AMX (with AMX, oneDNN and inductor's AMX template do well)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
+
+
+_built = None
+
+
+def build() -> bool:
+    """Compiles and loads the ops once per process; False (with a note) where that fails."""
+    global _built
+    if _built is None:
+        from torch.utils.cpp_extension import load_inline
+        try:
+            load_inline("treespec_cpu_kernels", SOURCE, is_python_module=False,
+                        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                                      "-mavx512bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            torch.library.register_fake("treespec::rows_linear")(
+                lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
+            torch.library.register_fake("treespec::tree_attention")(
+                lambda q, k, v, k_new, v_new, prefix, tree_mask: torch.empty_like(q, memory_format=torch.contiguous_format))
+            _built = True
+        except Exception as e:
+            print(f"note: the CPU kernels did not build ({str(e).splitlines()[0][:120]}); "
+                  "tree steps use torch's kernels", file=sys.stderr)
+            _built = False
+    return _built
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K/2, 16, 2]: 16 columns' pairs of k, one 64-byte line a pair (rows_linear's layout)."""
+    N, K = w.shape
+    return w.detach().view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class RowsLinear(nn.Linear):
+    """nn.Linear whose bf16 forward over MIN_ROWS..MAX_ROWS rows is rows_linear on a packed copy of
+    the weight, kept beside it (prefill and other dtypes use the weight as it is)."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16 and MIN_ROWS <= x.numel() // x.shape[-1] <= MAX_ROWS:
+            return torch.ops.treespec.rows_linear(x, self.packed)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowsAttention(Attention):
+    """Attention whose bf16 tree attention is the tree_attention kernel."""
+
+    def tree_attention(self, q, k, v, k_new, v_new, prefix, tree_mask):
+        if q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128):
+            return torch.ops.treespec.tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
+        return tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
+
+
+def install(model: nn.Module, device, dtype) -> nn.Module:
+    """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
+    its Attentions RowsAttentions, in place. Returns model."""
+    if wanted(device, dtype) and build():
+        for m in model.modules():
+            if type(m) is Attention:
+                m.__class__ = RowsAttention
+            elif (type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype
+                  and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 2 == 0):
+                m.register_buffer("packed", pack(m.weight), persistent=False)
+                m.__class__ = RowsLinear
+    return model

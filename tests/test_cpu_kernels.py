@@ -1,0 +1,100 @@
+"""The tree step's CPU kernels (cpu_kernels.py): rows_linear is a bf16 matmul for every row count
+(its blocks and tails), tree_attention is model.tree_attention, install swaps what it should, and
+a compiled bf16 tree forward calls both and agrees with the fp32 one."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cpu_kernels as ck
+import generate as G
+from model import Attention, ModelArgs, Transformer, tree_attention
+
+pytestmark = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
+                                reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
+
+
+@pytest.mark.parametrize("K", [64, 100, 576])
+def test_rows_linear_is_a_bf16_matmul(K):
+    assert ck.build()
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(80, K, generator=g).bfloat16()  # 5 panels of 16 columns: a block of 3 and one of 2
+    wp = ck.pack(w)
+    assert wp.shape == (5, K // 2, 16, 2) and wp[3, 7, 5, 1] == w[3 * 16 + 5, 2 * 7 + 1]
+    alone = torch.randn(1, K, generator=g).bfloat16()
+    for M in range(1, 18):  # blocks of 8 rows and every remainder
+        x = torch.randn(3, M, K, generator=g).bfloat16()
+        y = torch.ops.treespec.rows_linear(x, wp)
+        assert y.shape == (3, M, 80) and y.dtype == torch.bfloat16
+        # the fp32 sums in another order, rounded once to bf16: within half an ulp (2**-8) and a hair
+        ref = x.float() @ w.float().T
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -8 + 1e-5, atol=1e-4)
+        # a row's result does not depend on the rows beside it
+        x[1, M // 2] = alone
+        assert torch.equal(torch.ops.treespec.rows_linear(x, wp)[1, M // 2], torch.ops.treespec.rows_linear(alone, wp)[0])
+
+
+@pytest.mark.parametrize("B,H,H_kv,T,D,L,P", [(1, 9, 3, 8, 64, 530, 512), (1, 9, 3, 16, 64, 530, 300),
+                                              (2, 4, 2, 5, 128, 67, 40), (1, 2, 2, 1, 64, 9, 9)])
+def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
+    """Strided as the model hands them over (q and the new rows transposed, k and v a slice of the
+    cache); against model.tree_attention in fp32 on the same bf16 values, closer than that function in bf16."""
+    assert ck.build()
+    g = torch.Generator().manual_seed(T * D + L)
+    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()
+    q = bf(B, T, H, D).transpose(1, 2)
+    k, v = bf(B, H_kv, L + 7, D)[:, :, :L], bf(B, H_kv, L + 7, D)[:, :, :L]
+    k_new, v_new = bf(B, T, H_kv, D).transpose(1, 2), bf(B, T, H_kv, D).transpose(1, 2)
+    prefix = torch.arange(L)[None] < P
+    tree_mask = ((torch.rand(T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool)).tril()
+    y = torch.ops.treespec.tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
+    ref = tree_attention(*(t.float() for t in (q, k, v, k_new, v_new)), prefix, tree_mask)
+    in_bf16 = tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
+    assert y.shape == (B, H, T, D) and y.dtype == torch.bfloat16
+    err, err_bf16 = (y.float() - ref).abs().max(), (in_bf16.float() - ref).abs().max()
+    assert err <= max(err_bf16, 2 ** -8 * ref.abs().max()), (err, err_bf16)
+
+
+def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_thread):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 40, bias=False)).bfloat16()
+    w0 = m[0].weight
+    ck.install(m, "cpu", torch.bfloat16)
+    # a bias, or N not a multiple of the kernel's 16 columns: left as they are
+    assert type(m[0]) is ck.RowsLinear and type(m[1]) is nn.Linear and type(m[2]) is nn.Linear
+    assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
+    for rows in (ck.MIN_ROWS - 1, ck.MAX_ROWS + 1):  # torch's kernel, bit for bit
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(m[0](x), F.linear(x, w0))
+    x = torch.randn(2, 5, 64).bfloat16()  # 10 rows: the kernel, the batch dims kept
+    torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
+    fp32 = ck.install(nn.Sequential(nn.Linear(8, 16, bias=False), Attention(ModelArgs(dim=128, n_head=2))), "cpu", torch.float32)
+    assert [type(l) for l in fp32] == [nn.Linear, Attention]
+    assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.bfloat16)) is ck.RowsAttention
+
+
+def test_compiled_tree_forward_calls_the_kernels(one_thread):
+    """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
+    rows_linear and tree_attention, and agrees with the fp32 forward to bf16 rounding."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    args = ModelArgs(dim=128, n_layer=1, n_head=2, n_kv_head=1, intermediate_size=256, vocab_size=512, max_seq_len=64)
+    ref = Transformer(args).eval()
+    model = Transformer(args).eval()
+    model.load_state_dict(ref.state_dict())
+    ck.install(model.bfloat16(), "cpu", torch.bfloat16)
+    ref.float()
+    N, P = 8, 20
+    tree = torch.ones(N, N, dtype=torch.bool).tril()
+    tokens = torch.randint(0, 512, (1, P + N))
+    with torch.inference_mode():
+        for m in (ref, model):
+            m.setup_caches(1, 63)
+            m(tokens[:, :P], torch.arange(P))
+        step = lambda m: (lambda t: m(t, P + torch.arange(N), torch.arange(63)[None] < P,
+                                      cache_pos=P + torch.arange(N), tree_mask=tree))
+        y, code = run_and_get_code(G.compile_step(step(model), "cpu", mode="default"), tokens[:, P:])
+        want = step(ref)(tokens[:, P:])
+    code = "\n".join(code)
+    assert "rows_linear" in code and "tree_attention" in code
+    torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())
