@@ -113,14 +113,17 @@ def test_incremental_decoding_equals_full_forward(tiny_model):
     assert (incremental - full).abs().max().item() < 1e-4
 
 
-def test_tree_mask_call_equals_plain_causal_calls(tiny_model):
+@pytest.mark.parametrize("tree_sdpa", [False, True])
+def test_tree_mask_call_equals_plain_causal_calls(tiny_model, tree_sdpa):
     """Four draft nodes in cache slots P..P+3: two paths of depth 2, a->b and c->d.
-    Node i sits at slot P+i with RoPE position P+depth and sees the prefix, its ancestors and itself."""
+    Node i sits at slot P+i with RoPE position P+depth and sees the prefix, its ancestors and itself.
+    tree_sdpa: the tree mask gathered into the cache slots for SDPA (as on AMX CPUs in bf16), or tree_attention."""
     torch.manual_seed(3)
     P, S = 10, 32
     prefix = torch.randint(0, tiny_model.args.vocab_size, (P,))
     a, b, c, d = torch.randint(0, tiny_model.args.vocab_size, (4,)).tolist()
     tiny_model.setup_caches(1, S)
+    tiny_model.tree_sdpa = tree_sdpa
     with torch.no_grad():
         tiny_model(prefix[None], torch.arange(P))
         tree_tokens = torch.tensor([[a, b, c, d]])
