@@ -231,6 +231,10 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
             {k: med[("step", k)] for k in ("ar", "spec") if ("step", k) in med})
 
 
+def cache_file(key: dict, folder: Path, kind: str) -> Path:
+    return Path(folder) / f"{kind}-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+
+
 def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
     """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
     dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
@@ -242,8 +246,7 @@ def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
     by the line through two that bracket the new n, which puts it between its neighbours as its own
     run ordered them (scaled by one row alone, 9 rows came out at 1.43x one row, 1.26x side by side)."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
-    name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(folder) / f"step-costs-{name}.json"
+    path = cache_file(key, folder, "step-costs")
     costs = {}
     if path.is_file():
         rec = json.loads(path.read_text())
@@ -340,6 +343,13 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     path = Path(heads_dir) / "acceptance.json"
     if not path.is_file():
         return None
+    # the choice itself is kept too: made again, it could read tables its own timings had extended
+    # and name another size, to be timed in turn (minutes on a CPU)
+    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "choice",
+           "acceptance": hashlib.sha1(path.read_bytes()).hexdigest()}
+    kept = cache_file(key, ckpt.CACHE_DIR, "tree-auto")
+    if kept.is_file():
+        return json.loads(kept.read_text())
     heldout = json.loads(path.read_text())
     acc = heldout.get("step", heldout)
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
@@ -375,12 +385,16 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
             choice = pick()
         return choice
     choice = choose()
-    if choice["paths"] is None:
-        return choice
-    # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
-    # tree is then weighed with that fixed cost (close for trees of similar size)
-    overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, choice["paths"])
-    return {**choose(overhead), "overhead": overhead}
+    if choice["paths"] is not None:
+        # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
+        # tree is then weighed with that fixed cost (close for trees of similar size)
+        overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, choice["paths"])
+        choice = {**choose(overhead), "overhead": list(overhead)}
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(choice))
+    tmp.replace(kept)
+    return choice
 
 
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):

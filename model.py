@@ -114,8 +114,8 @@ class Transformer(nn.Module):
         if mask is None:
             mask = torch.arange(self.max_seq_len, device=idx.device)[None, :] <= cache_pos[:, None]
         if tree_mask is not None and self.tree_sdpa:  # the tree's rows sit at cache_pos: one SDPA call a layer
-            slots = torch.arange(mask.shape[-1], device=idx.device)
-            mask = mask | (tree_mask[:, :, None] & (slots == cache_pos[:, None])[None]).any(1)  # [T, L]
+            T, L = tree_mask.shape[0], mask.shape[-1]
+            mask = mask | torch.zeros(T, L, dtype=torch.bool, device=idx.device).index_copy_(1, cache_pos, tree_mask)
             tree_mask = None
         if mask.dim() == 2:
             mask = mask[None, None]

@@ -755,11 +755,9 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     if tree is not None:  # the size chosen was timed itself, not read between timed sizes
         verify, _ = G.measured_costs(model, None, folder, "cpu")
         assert G.resolve_tree.choice["nodes"] in verify
-    # a second call may still time: its first choice (before the whole step's overhead) reads the table that
-    # the first call's later timings extended, and can name another tree, whose step is then timed once
-    tree = G.resolve_tree(model, head, folder, "auto", "cpu")
     monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
-    assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree
+    assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree  # the choice is kept: nothing timed
+    assert list((tmp_path / "cache").glob("tree-auto-*.json"))
     if tree is not None:  # the whole steps were timed (eager, real) beside the forwards, and cached
         verify, _ = G.measured_costs(model, None, folder, "cpu")
         c = G.resolve_tree.choice
@@ -785,6 +783,10 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
     if tree is not None:
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
+    kept = len(list((tmp_path / "cache").glob("tree-auto-*.json")))
+    (folder / "acceptance.json").write_text(json.dumps(dict(roots=10, paths=paths, counts=[9, 0, 0, 0, 0])))
+    G.resolve_tree(model, head, folder, "auto", "cpu")    # new acceptance: chosen again, kept beside the old
+    assert len(list((tmp_path / "cache").glob("tree-auto-*.json"))) == kept + 1
     (folder / "acceptance.json").unlink()                 # no measured acceptance: the old default
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == "tree16"
 
