@@ -24,13 +24,13 @@ from tqdm import tqdm
 import checkpoint as ckpt
 from checkpoint import load_model
 from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
-from trees import choose_tree, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
+from trees import argmax, choose_tree, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
 
 
 def sample_token(logits, temperature: float, top_k: int, top_p: float):
     # logits: [V] -> long scalar
     if temperature == 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 

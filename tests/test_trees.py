@@ -702,3 +702,22 @@ def test_compiles_fullgraph():
     for i in (0, 3, 4):
         assert all(x.equal(y) for x, y in zip(eager[i], compiled[i]))
     assert compiled[1][0] >= 0 and compiled[2][0] >= 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 5), V=st.integers(1, 300), levels=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_argmax_is_torchs_first_maximum(rows, V, levels, seed):
+    """trees.argmax (the greedy token, written as a max and a min) equals torch's argmax, ties
+    (few distinct values) included, in fp32 and bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, V), generator=g).float()
+    for t in (x, x.bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
+        assert torch.equal(T.argmax(t), t.argmax(-1))
+        assert torch.equal(T.argmax(t[0]), t[0].argmax(-1))
+
+
+def test_argmax_compiled():
+    """Compiled (inductor, as the steps compile it), over several rows and one, with ties."""
+    x = torch.randint(0, 3, (13, 4099)).bfloat16()
+    f = torch.compile(T.argmax, fullgraph=True, dynamic=False)
+    assert torch.equal(f(x), x.argmax(-1)) and torch.equal(f(x[:1]), x[:1].argmax(-1))
