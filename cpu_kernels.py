@@ -1,4 +1,5 @@
-"""The tree step's kernels for CPUs with AVX-512 bf16 but no AMX (AMD Zen 4), bf16.
+"""The tree step's kernels for CPUs with AVX-512 bf16, bf16: without AMX (AMD Zen 4) its rows'
+projections and attention; with AMX (Intel Xeon) its attention.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
 ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
@@ -11,6 +12,8 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
   every line loaded meets all the rows from registers, with no horizontal sums, and each thread
   streams its panels in order. 8 rows then cost about what one costs (the memory's rate).
 - tree_attention: a kv head's query rows 16 at a time, scores, fp32 softmax and values in one pass.
+- rows_attention (with AMX, where oneDNN and inductor's AMX template do the projections well): the
+  same on AMX tiles, over the tree mask gathered into the cache slots (Transformer.tree_sdpa).
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are;
@@ -28,6 +31,8 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cstring>
 #include <vector>
 
@@ -262,13 +267,189 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return y;
 }
 
+// 16 x 16 fp32 in registers, transposed in place (unpack, shuffle within lanes, then 128-bit blocks)
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; j++) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static bool amx_permitted() {  // the kernel may use the tile registers (Linux: ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// As SDPA with a bool mask, for a few query rows on AMX tiles (what SDPA's CPU kernel spends on a
+// tree's rows is mostly per-head setup: 13 rows over 576 slots cost it 115 us, this 43; Xeon 167).
+// q [B, H, T, 64]; k, v [B, H_kv, L, 64] (the cache's span); mask bool [T or 1, L] (or with leading
+// 1s). bf16, any strides with the last dim contiguous. Returns y [B, H, T, 64]. A task is 16 query
+// rows of one kv head (its query heads' rows as rows):
+// - scores transposed, S^T [16 keys][16 rows] = K (A tiles, straight from the cache) x q^T (B tiles,
+//   q in pairs of d), each 16 x 16 turned back in registers;
+// - softmax a row at a time in fp32 (as SDPA), the weights unnormalised in bf16, 1/sum kept;
+// - Y [16 rows][64] = P (A tiles, 32 keys each) x V (B tiles: the head's values in pairs of keys,
+//   laid out once per kv head and task run), then scaled by 1/sum.
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), L = k.size(2);
+  for (auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1, "rows_attention: bf16, last dim contiguous");
+  TORCH_CHECK(D == 64, "rows_attention: head_dim 64");
+  TORCH_CHECK(amx_permitted(), "rows_attention: AMX tiles not permitted");
+  auto m = mask.to(at::kBool).reshape({-1, L}).contiguous();
+  TORCH_CHECK(m.size(0) == T || m.size(0) == 1, "rows_attention: mask [T or 1, L]");
+  int64_t mstride = m.size(0) == 1 ? 0 : L;
+  auto y = at::empty({B, H, T, D}, q.options());
+  int64_t G = H / Hk, R = G * T, NP = (R + 15) / 16, Jp = (L + 31) / 32 * 32;
+  auto base = [](const at::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); };
+  const uint16_t *qb = base(q), *kb = base(k), *vb = base(v);
+  const uint8_t* mb = (const uint8_t*)m.data_ptr<bool>();
+  uint16_t* yb = (uint16_t*)y.data_ptr<at::BFloat16>();
+  const float scale = 1.f / std::sqrt((float)D);
+  at::parallel_for(0, B * Hk * NP, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) TileConfig cfg = {};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+    alignas(64) uint16_t qp[32][16][2];   // B tiles of the scores: q's pairs of d, a row a lane
+    alignas(64) uint16_t kpad[16][64];    // the last keys, when fewer than 16
+    alignas(64) float ct[16][16], yt[16][64];
+    std::vector<float> Sbuf(16 * Jp + 16);
+    std::vector<uint16_t> Pbuf(16 * Jp + 32), Vbuf(Jp * 64 + 32);
+    float* S = (float*)(((uintptr_t)Sbuf.data() + 63) & ~(uintptr_t)63);          // [16][Jp] scores
+    uint16_t* P = (uint16_t*)(((uintptr_t)Pbuf.data() + 63) & ~(uintptr_t)63);    // [16][Jp] bf16 weights
+    uint16_t* Vp = (uint16_t*)(((uintptr_t)Vbuf.data() + 63) & ~(uintptr_t)63);   // [Jp/32][4][16][16][2]
+    int64_t vhead = -1;
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = i / (Hk * NP), h = (i / NP) % Hk, p = i % NP;
+      int nq = (int)std::min<int64_t>(16, R - 16 * p);
+      const uint16_t* kh = kb + b * k.stride(0) + h * k.stride(1);
+      const uint16_t* vh = vb + b * v.stride(0) + h * v.stride(1);
+      const int64_t ks = k.stride(2), vs = v.stride(2);
+      for (int l = 0; l < 16; l++) {
+        int64_t r = 16 * p + std::min(l, nq - 1), g = r / T, t = r % T;
+        const uint16_t* qr = qb + b * q.stride(0) + (h * G + g) * q.stride(1) + t * q.stride(2);
+        for (int kk = 0; kk < 32; kk++) { qp[kk][l][0] = qr[2 * kk]; qp[kk][l][1] = qr[2 * kk + 1]; }
+      }
+      if (vhead != b * Hk + h) {  // (keys past L: zeros, weighed 0)
+        vhead = b * Hk + h;
+        for (int64_t j = 0; j < Jp; j += 2) {
+          const uint16_t* v0 = vh + std::min(j, L - 1) * vs;
+          const uint16_t* v1 = vh + std::min(j + 1, L - 1) * vs;
+          __mmask16 z0 = j < L ? 0xFFFF : 0, z1 = j + 1 < L ? 0xFFFF : 0;
+          for (int db = 0; db < 4; db++) {
+            __m512i a = _mm512_maskz_cvtepu16_epi32(z0, _mm256_loadu_si256((const __m256i*)(v0 + 16 * db)));
+            __m512i c = _mm512_maskz_cvtepu16_epi32(z1, _mm256_loadu_si256((const __m256i*)(v1 + 16 * db)));
+            _mm512_store_si512(Vp + ((j / 32) * 4 + db) * 512 + (j % 32) / 2 * 32, _mm512_or_si512(a, _mm512_slli_epi32(c, 16)));
+          }
+        }
+      }
+      _tile_loadd(3, &qp[0][0][0], 64);
+      _tile_loadd(4, &qp[16][0][0], 64);
+      for (int64_t j0 = 0; j0 < Jp; j0 += 16) {
+        const uint16_t* kp = kh + j0 * ks;
+        int64_t kstride = ks * 2;
+        if (j0 + 16 > L) {
+          for (int jj = 0; jj < 16; jj++)
+            if (j0 + jj < L) std::memcpy(kpad[jj], kh + (j0 + jj) * ks, 128);
+            else std::memset(kpad[jj], 0, 128);
+          kp = &kpad[0][0];
+          kstride = 128;
+        }
+        _tile_zero(0);
+        _tile_loadd(1, kp, kstride);
+        _tile_loadd(2, kp + 32, kstride);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_stored(0, &ct[0][0], 64);
+        __m512 r[16];
+        for (int jj = 0; jj < 16; jj++) r[jj] = _mm512_load_ps(ct[jj]);
+        transpose16(r);
+        for (int l = 0; l < 16; l++) _mm512_store_ps(S + l * Jp + j0, r[l]);
+      }
+      alignas(64) float inv[16];
+      for (int l = 0; l < 16; l++) {
+        if (l >= nq) { std::memset(P + l * Jp, 0, Jp * 2); continue; }
+        int64_t t = (16 * p + l) % T;
+        const uint8_t* mr = mb + t * mstride;
+        float* s = S + l * Jp;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < Jp; j0 += 16) {
+          __mmask16 in = j0 + 16 <= L ? 0xFFFF : (__mmask16)((1u << std::max<int64_t>(L - j0, 0)) - 1);
+          __mmask16 ok = _mm_mask_test_epi8_mask(in, _mm_maskz_loadu_epi8(in, mr + j0), _mm_set1_epi8(1));
+          __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_load_ps(s + j0), _mm512_set1_ps(scale));
+          _mm512_store_ps(s + j0, x);
+          mx = _mm512_max_ps(mx, x);
+        }
+        float mmax = _mm512_reduce_max_ps(mx);
+        if (mmax == -INFINITY) mmax = 0.f;
+        __m512 mv = _mm512_set1_ps(mmax), sum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < Jp; j0 += 16) {
+          __m512 x = _mm512_load_ps(s + j0);
+          __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(x, mv)));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_store_si256((__m256i*)(P + l * Jp + j0), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        float ssum = _mm512_reduce_add_ps(sum);
+        inv[l] = ssum > 0 ? 1.f / ssum : 0.f;
+      }
+      _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+      for (int64_t kb0 = 0; kb0 < Jp / 32; kb0++) {
+        _tile_loadd(0, P + kb0 * 32, Jp * 2);
+        const uint16_t* vk = Vp + kb0 * 4 * 512;
+        _tile_loadd(1, vk, 64);        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vk + 512, 64);  _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, vk + 1024, 64); _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, vk + 1536, 64); _tile_dpbf16ps(7, 0, 1);
+      }
+      _tile_stored(4, &yt[0][0], 256);
+      _tile_stored(5, &yt[0][16], 256);
+      _tile_stored(6, &yt[0][32], 256);
+      _tile_stored(7, &yt[0][48], 256);
+      for (int l = 0; l < nq; l++) {
+        int64_t r = 16 * p + l, g = r / T, t = r % T;
+        uint16_t* yr = yb + ((b * H + h * G + g) * T + t) * D;
+        __m512 s = _mm512_set1_ps(inv[l]);
+        for (int db = 0; db < 4; db++)
+          _mm256_storeu_si256((__m256i*)(yr + 16 * db), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&yt[l][16 * db]), s)));
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
 TORCH_LIBRARY(treespec, m) {
   m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
+  m.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("rows_linear", &rows_linear);
   m.impl("tree_attention", &tree_attention);
+  m.impl("rows_attention", &rows_attention);
 }
 """
 
@@ -283,6 +464,11 @@ def wanted(device, dtype) -> bool:
             and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
 
 
+def wanted_tiles(device, dtype) -> bool:
+    """bf16 on a CPU with AMX tiles (rows_attention)."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+
+
 _built = None
 
 
@@ -294,11 +480,13 @@ def build() -> bool:
         try:
             load_inline("treespec_cpu_kernels", SOURCE, is_python_module=False,
                         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                                      "-mavx512bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                                      "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
             torch.library.register_fake("treespec::rows_linear")(
                 lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
             torch.library.register_fake("treespec::tree_attention")(
                 lambda q, k, v, k_new, v_new, prefix, tree_mask: torch.empty_like(q, memory_format=torch.contiguous_format))
+            torch.library.register_fake("treespec::rows_attention")(
+                lambda q, k, v, mask: torch.empty_like(q, memory_format=torch.contiguous_format))
             _built = True
         except Exception as e:
             print(f"note: the CPU kernels did not build ({str(e).splitlines()[0][:120]}); "
@@ -332,10 +520,29 @@ class RowsAttention(Attention):
         return tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
 
 
+MAX_TILE_ROWS = 64  # a tree's rows; prefill's many stay SDPA's
+
+
+class TileAttention(Attention):
+    """Attention whose bf16 attention of a tree's rows (up to MAX_TILE_ROWS, head_dim 64, one mask
+    for the batch) is the rows_attention kernel on AMX tiles."""
+
+    def rows_attention(self, q, k, v, mask):
+        if (q.dtype == torch.bfloat16 and q.shape[-1] == 64 and q.shape[2] <= MAX_TILE_ROWS
+                and mask.dtype == torch.bool and mask.shape[:-1].numel() in (1, q.shape[2])):
+            return torch.ops.treespec.rows_attention(q, k, v, mask)
+        return super().rows_attention(q, k, v, mask)
+
+
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
-    its Attentions RowsAttentions, in place. Returns model."""
-    if wanted(device, dtype) and build():
+    its Attentions RowsAttentions, in place; with AMX tiles its Attentions become TileAttentions.
+    Returns model."""
+    if wanted_tiles(device, dtype) and build():
+        for m in model.modules():
+            if type(m) is Attention:
+                m.__class__ = TileAttention
+    elif wanted(device, dtype) and build():
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = RowsAttention

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
+from model import Attention, Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
 from trees import Tree, dynamic_select, tree_buffers
 
 
@@ -559,6 +559,9 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
         from quantize import quantize_linears
         quantize_linears(head, dev, dtype)
     head = head.to(dtype).eval()
+    for m in head.modules():  # the base's attention kernels (cpu_kernels: on AMX, a few rows' on tiles)
+        if type(m) is Attention:
+            m.__class__ = type(base.layers[0].attention)
     if d2t is not None:
         set_draft_vocab(head, base, d2t)
         if quant:

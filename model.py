@@ -168,8 +168,8 @@ class Attention(nn.Module):
         if tree_mask is not None:
             y = self.tree_attention(q, k, v, k_new, v_new, mask, tree_mask)
             return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
-        if T > 1:  # prefill and EAGLE's draft rows
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
+        if T > 1:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
+            y = self.rows_attention(q, k, v, mask)
             return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
         # One new token: the G query heads that share a kv head go in as one head of G rows; the CPU
         # kernel otherwise multiplies one row at a time (per layer at batch 64, 768 slots: 81 -> 19 ms)
@@ -185,6 +185,10 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
         return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_size))
+
+    def rows_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        # (cpu_kernels.TileAttention: a kernel on AMX tiles for a tree's rows in bf16)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
 
     def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4)
         return tree_attention(*args)

@@ -1,6 +1,6 @@
 """The tree step's CPU kernels (cpu_kernels.py): rows_linear is a bf16 matmul for every row count
-(its blocks and tails), tree_attention is model.tree_attention, install swaps what it should, and
-a compiled bf16 tree forward calls both and agrees with the fp32 one."""
+(its blocks and tails), tree_attention is model.tree_attention, rows_attention is SDPA, install
+swaps what it should, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
 import pytest
 import torch
 import torch.nn as nn
@@ -10,10 +10,12 @@ import cpu_kernels as ck
 import generate as G
 from model import Attention, ModelArgs, Transformer, tree_attention
 
-pytestmark = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
-                                reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
+zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
+                          reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
+amx = pytest.mark.skipif(not ck.wanted_tiles("cpu", torch.bfloat16), reason="rows_attention is for CPUs with AMX")
 
 
+@zen4
 @pytest.mark.parametrize("K", [64, 100, 576])
 def test_rows_linear_is_a_bf16_matmul(K):
     assert ck.build()
@@ -34,6 +36,7 @@ def test_rows_linear_is_a_bf16_matmul(K):
         assert torch.equal(torch.ops.treespec.rows_linear(x, wp)[1, M // 2], torch.ops.treespec.rows_linear(alone, wp)[0])
 
 
+@zen4
 @pytest.mark.parametrize("B,H,H_kv,T,D,L,P", [(1, 9, 3, 8, 64, 530, 512), (1, 9, 3, 16, 64, 530, 300),
                                               (2, 4, 2, 5, 128, 67, 40), (1, 2, 2, 1, 64, 9, 9)])
 def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
@@ -55,6 +58,57 @@ def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
     assert err <= max(err_bf16, 2 ** -8 * ref.abs().max()), (err, err_bf16)
 
 
+@amx
+@pytest.mark.parametrize("B,H,H_kv,T,L,P", [(1, 9, 3, 13, 576, 563), (1, 9, 3, 16, 300, 250), (2, 4, 2, 5, 67, 40),
+                                           (1, 9, 3, 1, 9, 8), (1, 3, 3, 64, 100, 36)])
+def test_rows_attention_kernel_is_sdpa(B, H, H_kv, T, L, P):
+    """As the model hands them over (q transposed, k and v a slice of the cache, a tree mask gathered
+    into the slots after P prefix slots, some slots shut to all): against SDPA in fp32 on the same bf16
+    values, as close as SDPA in bf16; a [1, L] mask as well."""
+    assert ck.build()
+    g = torch.Generator().manual_seed(T * H + L)
+    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()
+    q = bf(B, T, H, 64).transpose(1, 2)
+    k, v = bf(B, H_kv, L + 7, 64)[:, :, :L], bf(B, H_kv, L + 7, 64)[:, :, :L]
+    tree = ((torch.rand(T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool)).tril()
+    mask = torch.zeros(T, L, dtype=torch.bool)
+    mask[:, :P - 5] = True
+    mask[:, P:P + T] = tree
+    for m in (mask[None, None], mask[:1]):
+        y = torch.ops.treespec.rows_attention(q, k, v, m)
+        m4 = m.view(1, 1, -1, L)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m4, enable_gqa=True)
+        in_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=m4, enable_gqa=True)
+        assert y.shape == (B, H, T, 64) and y.dtype == torch.bfloat16
+        err, err_bf16 = (y.float() - ref).abs().max(), (in_bf16.float() - ref).abs().max()
+        assert err <= max(err_bf16, 2 ** -8 * ref.abs().max()), (err, err_bf16)
+
+
+@amx
+def test_install_with_tiles_swaps_attention_only():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96, bias=False), Attention(ModelArgs(dim=128, n_head=2)))
+    ck.install(m.bfloat16(), "cpu", torch.bfloat16)
+    assert type(m[0]) is nn.Linear and type(m[1]) is ck.TileAttention
+    assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is Attention
+    a = m[1]
+    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (ck.MAX_TILE_ROWS + 1, 80, 80))
+    mask = torch.ones(1, 1, ck.MAX_TILE_ROWS + 1, 80, dtype=torch.bool)
+    assert torch.equal(a.rows_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@amx
+def test_eagle_head_attends_with_the_base_kernels():
+    """A head's decoder layer takes the base's attention class: its draft rows go to rows_attention too."""
+    from pathlib import Path
+    from checkpoint import load_model
+    from heads import load_heads
+    base, _ = load_model(None, "cpu", torch.bfloat16)
+    head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
+    assert type(head.head.layer.block.attention) is ck.TileAttention
+
+
+@zen4
 def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_thread):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 40, bias=False)).bfloat16()
@@ -73,9 +127,12 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.bfloat16)) is ck.RowsAttention
 
 
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)),
+                    reason="the kernels are for CPUs with AVX-512 bf16")
 def test_compiled_tree_forward_calls_the_kernels(one_thread):
     """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
-    rows_linear and tree_attention, and agrees with the fp32 forward to bf16 rounding."""
+    rows_linear and tree_attention (no AMX) or rows_attention (AMX), and agrees with the fp32
+    forward to bf16 rounding."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
     args = ModelArgs(dim=128, n_layer=1, n_head=2, n_kv_head=1, intermediate_size=256, vocab_size=512, max_seq_len=64)
@@ -96,5 +153,8 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         y, code = run_and_get_code(G.compile_step(step(model), "cpu", mode="default"), tokens[:, P:])
         want = step(ref)(tokens[:, P:])
     code = "\n".join(code)
-    assert "rows_linear" in code and "tree_attention" in code
+    if ck.wanted_tiles("cpu", torch.bfloat16):
+        assert "rows_attention" in code and "rows_linear" not in code
+    else:
+        assert "rows_linear" in code and "tree_attention" in code
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())

@@ -274,15 +274,16 @@ def test_greedy_speculative_equals_autoregressive(smol, kind, tree, dynamic, ora
 def test_bf16_eagle_oracle_diverges_only_at_bf16_near_ties(smol):
     """bf16 base model and head, EAGLE tree16 with the oracle. The tree forward (16 tokens) and the AR
     forward (1 token) round differently, so greedy outputs may part where the top-2 logits are within
-    bf16 rounding. Where they part, the margin between the top two logits of an fp32 forward of the
-    same (bf16) weights over the common prefix must be within
+    bf16 rounding. Where they part, each path's token must trail the top logit of an fp32 forward of
+    the same (bf16) weights over the common prefix by at most (two, or more where several are near-tied)
         BOUND = 4 * 2**-7 * max(|top1|, 1),
     i.e. 4 ulps of the top logit: bf16 keeps 8 significant bits, so one ulp of x is at most 2**-7 |x|
     and one rounding moves a value by half an ulp. The bf16 logits are rounded once at the end (two
     logits one ulp apart may come out tied or swapped), and the residual stream is rounded after each
     of 30 layers, with a different matmul blocking and attention width in the two forwards; those
     errors, mostly independent, add up to about one ulp at the logits (measured: the fp32 margins at
-    the partings are 0.03 to 0.14, at most about 1 ulp). 4 ulps leaves room; a real bug (a wrong mask,
+    the partings are 0.03 to 0.14, at most about 1 ulp; with AMX tiles, 2026-12-05, AR took the third
+    of four logits within 0.25, 0.21 below the top). 4 ulps leaves room; a real bug (a wrong mask,
     position or cache slot) moves logits by O(1) and parts the outputs far from a tie.
     A run whose outputs do not part passes trivially (reported), and must show long accepted paths."""
     from checkpoint import load_model
@@ -313,14 +314,13 @@ def test_bf16_eagle_oracle_diverges_only_at_bf16_near_ties(smol):
             m32 = copy.deepcopy(model).float()
             logits = m32(common[None], torch.arange(len(common)))[0, -1]
             del m32
-        top, top16 = logits.topk(2), logits16.topk(2)
-        margin = (top.values[0] - top.values[1]).item()
-        print(f"bf16 {name}: outputs part at new token {i}: AR {expected[i]}, speculative {out[i]}; "
-              f"fp32 forward top-2 {top.indices.tolist()} margin {margin:.4f} (bound "
-              f"{bound(top.values[0].item()):.4f}); bf16 forward top-2 {top16.indices.tolist()} margin "
-              f"{(top16.values[0] - top16.values[1]).item():.4f}")
-        assert {out[i], expected[i]} == set(top.indices.tolist())
-        assert margin <= bound(top.values[0].item())
+        top, top16 = logits.topk(4), logits16.topk(4)
+        gaps = [(top.values[0] - logits[t]).item() for t in (expected[i], out[i])]
+        print(f"bf16 {name}: outputs part at new token {i}: AR {expected[i]}, speculative {out[i]}, "
+              f"below the fp32 top logit by {gaps[0]:.4f} and {gaps[1]:.4f} (bound {bound(top.values[0].item()):.4f}); "
+              f"fp32 forward top-4 {top.indices.tolist()} {[round(x, 3) for x in top.values.tolist()]}; "
+              f"bf16 forward top-4 {top16.indices.tolist()} {top16.values.tolist()}")
+        assert max(gaps) <= bound(top.values[0].item())
     print(f"bf16: {parted} of 2 runs parted from the AR output")
 
 
