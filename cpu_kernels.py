@@ -465,8 +465,9 @@ def wanted(device, dtype) -> bool:
 
 
 def wanted_tiles(device, dtype) -> bool:
-    """bf16 on a CPU with AMX tiles (rows_attention)."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+    """bf16 on a CPU with AMX tiles that the OS lets this process use (rows_attention)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
 
 
 _built = None
