@@ -87,7 +87,10 @@ def shared_logits(head, base, x: Tensor) -> Tensor:
     # the base's lm_head, restricted to the draft vocab and the context's tokens when the head has one
     if getattr(head, "d2t", None) is None:
         return base.output(x)
-    ctx = F.linear(x, head.ctx_w[:CTX].to(x.dtype))
+    # ctx_w changes every step, so it is no frozen constant that a GEMM kernel prepacks: as a matmul
+    # it went to oneDNN, which packed its 590 KB again each call (132 us on the Xeon 167, three a step);
+    # a multiply and sum streams it once
+    ctx = (x[..., None, :].float() * head.ctx_w[:CTX].float()).sum(-1).to(x.dtype)
     ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
     lm = getattr(head, "draft_lm", None)  # int8 heads: the draft vocab's rows in int8 (half the bytes a level)
     return torch.cat([F.linear(x, head.draft_w.to(x.dtype)) if lm is None else lm(x), ctx], -1)  # [*, V' + CTX]
