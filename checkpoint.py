@@ -49,7 +49,7 @@ def load_model(checkpoint=None, device="cpu", dtype=torch.float32):
         raise CheckpointError(f"{folder}: the weights do not fit the config: {(lines or [str(e)])[0]}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    import cpu_kernels  # the tree step's kernels where torch's do badly (AVX-512 bf16, no AMX)
+    import cpu_kernels  # the steps' kernels where torch's do badly (AVX-512 bf16)
     return cpu_kernels.install(model.to(device=device, dtype=dtype).eval(), device, dtype), Tokenizer(folder)
 
 

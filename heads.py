@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Attention, Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
+import cpu_kernels
+from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
 from trees import Tree, dynamic_select, tree_buffers
 
 
@@ -51,7 +52,9 @@ def set_draft_vocab(head, base, d2t: Tensor):
     """d2t: [V'] token id of each draft id. Heads that share the base's lm_head use its d2t rows."""
     dev, W = base.output.weight.device, base.output.weight
     head.register_buffer("d2t", d2t.to(dev), persistent=False)
-    head.register_buffer("draft_w", W[head.d2t], persistent=False)                 # [V', dim]
+    head.draft_lm = nn.Linear(W.shape[1], len(d2t), bias=False, device="meta")     # the draft vocab's rows:
+    del head.draft_lm.weight                                                       # a buffer, so that heads
+    head.draft_lm.register_buffer("weight", W[head.d2t], persistent=False)        # train and save without it
     known = torch.zeros(base.args.vocab_size + 1, dtype=torch.bool, device=dev)   # [V + 1], the last a sink
     known[head.d2t] = True
     head.register_buffer("in_draft", known, persistent=False)
@@ -92,8 +95,7 @@ def shared_logits(head, base, x: Tensor) -> Tensor:
     # a multiply and sum streams it once
     ctx = (x[..., None, :].float() * head.ctx_w[:CTX].float()).sum(-1).to(x.dtype)
     ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
-    lm = getattr(head, "draft_lm", None)  # int8 heads: the draft vocab's rows in int8 (half the bytes a level)
-    return torch.cat([F.linear(x, head.draft_w.to(x.dtype)) if lm is None else lm(x), ctx], -1)  # [*, V' + CTX]
+    return torch.cat([head.draft_lm(x), ctx], -1)  # [*, V' + CTX] (int8 heads: the rows in int8)
 
 
 def token_ids(head, idx: Tensor) -> Tensor:
@@ -562,16 +564,12 @@ def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
         from quantize import quantize_linears
         quantize_linears(head, dev, dtype)
     head = head.to(dtype).eval()
-    for m in head.modules():  # the base's attention kernels (cpu_kernels: on AMX, a few rows' on tiles)
-        if type(m) is Attention:
-            m.__class__ = type(base.layers[0].attention)
     if d2t is not None:
         set_draft_vocab(head, base, d2t)
-        if quant:
+        if quant:  # (half the bytes a draft level reads)
             from quantize import WeightOnlyInt8Linear, quantize_int8
-            head.draft_lm = WeightOnlyInt8Linear(*quantize_int8(head.draft_w), None, dev, dtype)
-            del head.draft_w  # (9.4 MB of float rows the int8 ones replace)
-    return head
+            head.draft_lm = WeightOnlyInt8Linear(*quantize_int8(head.draft_lm.weight), None, dev, dtype)
+    return cpu_kernels.install(head, dev, dtype)  # the base's kernels (on AMX: the rows' linears and attention on tiles)
 
 
 def _draft_vocab(sd: dict, cfg: dict, vocab: int, folder) -> Optional[Tensor]:

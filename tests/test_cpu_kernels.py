@@ -1,6 +1,6 @@
-"""The tree step's CPU kernels (cpu_kernels.py): rows_linear is a bf16 matmul for every row count
-(its blocks and tails), tree_attention is model.tree_attention, rows_attention is SDPA, install
-swaps what it should, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
+"""The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
+row count (their blocks and tails), tree_attention is model.tree_attention, rows_attention is SDPA,
+install swaps what it should, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
 import pytest
 import torch
 import torch.nn as nn
@@ -12,7 +12,7 @@ from model import Attention, ModelArgs, Transformer, tree_attention
 
 zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
                           reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
-amx = pytest.mark.skipif(not ck.wanted_tiles("cpu", torch.bfloat16), reason="rows_attention is for CPUs with AMX")
+amx = pytest.mark.skipif(not ck.wanted_tiles("cpu", torch.bfloat16), reason="the tile kernels are for CPUs with AMX")
 
 
 @zen4
@@ -34,6 +34,24 @@ def test_rows_linear_is_a_bf16_matmul(K):
         # a row's result does not depend on the rows beside it
         x[1, M // 2] = alone
         assert torch.equal(torch.ops.treespec.rows_linear(x, wp)[1, M // 2], torch.ops.treespec.rows_linear(alone, wp)[0])
+
+
+@amx
+@pytest.mark.parametrize("K", [64, 576])
+def test_tiles_linear_is_a_bf16_matmul(K):
+    assert ck.build()
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(96, K, generator=g).bfloat16()  # 3 groups of 32 columns
+    wp = ck.pack_tiles(w)
+    assert wp.shape == (3, K // 32, 2, 16, 16, 2) and wp[2, 1, 1, 7, 5, 1] == w[2 * 32 + 16 + 5, 32 + 2 * 7 + 1]
+    alone = torch.randn(1, K, generator=g).bfloat16()
+    for M in (1, 2, 13, 16, 17, 32, 33, 45):  # A tiles of 16 rows, blocks of 32 and their tails
+        x = torch.randn(1, M, K, generator=g).bfloat16()
+        y = torch.ops.treespec.tiles_linear(x, wp)
+        assert y.shape == (1, M, 96) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
+        x[0, M // 2] = alone  # a row's result does not depend on the rows beside it
+        assert torch.equal(torch.ops.treespec.tiles_linear(x, wp)[0, M // 2], torch.ops.treespec.tiles_linear(alone, wp)[0])
 
 
 @zen4
@@ -85,13 +103,21 @@ def test_rows_attention_kernel_is_sdpa(B, H, H_kv, T, L, P):
 
 
 @amx
-def test_install_with_tiles_swaps_attention_only():
+def test_install_with_tiles_swaps_linears_and_attention():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 96, bias=False), Attention(ModelArgs(dim=128, n_head=2)))
+    m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 48, bias=False),
+                      Attention(ModelArgs(dim=128, n_head=2)))
+    w0 = m[0].weight
     ck.install(m.bfloat16(), "cpu", torch.bfloat16)
-    assert type(m[0]) is nn.Linear and type(m[1]) is ck.TileAttention
+    # a bias, or N not a multiple of the kernel's 32 columns: left as they are
+    assert [type(l) for l in m] == [ck.TileLinear, nn.Linear, nn.Linear, ck.TileAttention]
+    assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
+    x = torch.randn(ck.MAX_TILE_ROWS + 1, 64).bfloat16()  # prefill: torch's kernel, bit for bit
+    assert torch.equal(m[0](x), F.linear(x, w0))
+    x = torch.randn(2, 5, 64).bfloat16()  # 10 rows: the kernel, the batch dims kept
+    torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is Attention
-    a = m[1]
+    a = m[3]
     q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (ck.MAX_TILE_ROWS + 1, 80, 80))
     mask = torch.ones(1, 1, ck.MAX_TILE_ROWS + 1, 80, dtype=torch.bool)
     assert torch.equal(a.rows_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
@@ -99,13 +125,15 @@ def test_install_with_tiles_swaps_attention_only():
 
 @amx
 def test_eagle_head_attends_with_the_base_kernels():
-    """A head's decoder layer takes the base's attention class: its draft rows go to rows_attention too."""
+    """A head's decoder layer and draft vocab rows take the base's kernels: its draft rows go to
+    rows_attention and tiles_linear too."""
     from pathlib import Path
     from checkpoint import load_model
     from heads import load_heads
     base, _ = load_model(None, "cpu", torch.bfloat16)
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
     assert type(head.head.layer.block.attention) is ck.TileAttention
+    assert type(head.head.draft_lm) is ck.TileLinear and type(head.head.layer.block.feed_forward.w1) is ck.TileLinear
 
 
 @zen4
@@ -131,7 +159,7 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
                     reason="the kernels are for CPUs with AVX-512 bf16")
 def test_compiled_tree_forward_calls_the_kernels(one_thread):
     """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
-    rows_linear and tree_attention (no AMX) or rows_attention (AMX), and agrees with the fp32
+    rows_linear and tree_attention (no AMX) or tiles_linear and rows_attention (AMX), and agrees with the fp32
     forward to bf16 rounding."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
@@ -154,7 +182,7 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         want = step(ref)(tokens[:, P:])
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):
-        assert "rows_attention" in code and "rows_linear" not in code
+        assert "rows_attention" in code and "tiles_linear" in code and "rows_linear" not in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())

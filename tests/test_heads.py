@@ -357,7 +357,7 @@ def test_int8_heads_draft_over_the_draft_vocabs_rows_in_int8(base, tmp_path):
     head = H.load_heads(Q.write_quantized_heads(tmp_path / "float", tmp_path / "int8", base), base)
     rows = base.output.weight[d2t]
     q, s = Q.quantize_int8(rows)
-    assert torch.equal(head.draft_lm.weight_int8, q) and not hasattr(head, "draft_w")  # the float rows dropped
+    assert torch.equal(head.draft_lm.weight_int8, q) and type(head.draft_lm) is Q.WeightOnlyInt8Linear  # no float rows
     H.note_context(head, base, torch.tensor([3, 5]), reset=True)
     x = torch.randn(2, base.args.dim)
     logits = H.shared_logits(head, base, x)
