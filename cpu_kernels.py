@@ -1,5 +1,5 @@
-"""The tree step's kernels for CPUs with AVX-512 bf16, bf16: without AMX (AMD Zen 4) its rows'
-projections and attention; with AMX (Intel Xeon) its attention.
+"""The steps' kernels for CPUs with AVX-512 bf16, bf16: without AMX (AMD Zen 4) a tree's rows'
+projections and attention; with AMX (Intel Xeon) every step's projections and a tree's attention.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
 ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
@@ -12,8 +12,11 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
   every line loaded meets all the rows from registers, with no horizontal sums, and each thread
   streams its panels in order. 8 rows then cost about what one costs (the memory's rate).
 - tree_attention: a kv head's query rows 16 at a time, scores, fp32 softmax and values in one pass.
-- rows_attention (with AMX, where oneDNN and inductor's AMX template do the projections well): the
-  same on AMX tiles, over the tree mask gathered into the cache slots (Transformer.tree_sdpa).
+- tiles_linear (with AMX): 1-64 rows on AMX tiles, the weights packed (pack_tiles) so that each
+  thread streams one run of B tiles; as fast for a token as inductor's one-row kernel and oneDNN,
+  and a tree's rows cost within 6-9% of one row (docs/speed.md).
+- rows_attention (with AMX): tree_attention's job on AMX tiles, over the tree mask gathered into the
+  cache slots (Transformer.tree_sdpa).
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are;
@@ -322,18 +325,22 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp) {
   auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float c[32][32];
-    for (int64_t r = 0; r < M; r += 32) {  // (past 32 rows the next block finds the weights in L2)
-      const uint16_t* xr = xp + r * K;
-      int m0 = (int)std::min<int64_t>(M - r, 16), m1 = (int)std::min<int64_t>(M - r - m0, 16);
-      alignas(64) TileConfig cfg = {};  // C tiles 0-3 (rows 0-15 and 16-31 by 2 x 16 columns), A 4-5, B 6-7
-      cfg.palette = 1;
-      for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
-      cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = m0;
-      cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = std::max(m1, 1);
-      cfg.rows[6] = cfg.rows[7] = 16;
-      _tile_loadconfig(&cfg);
-      for (int64_t g = g0; g < g1; g++) {
-        const uint16_t* wg = wq + g * K * 32;
+    int shape = -1;
+    for (int64_t g = g0; g < g1; g++) {
+      const uint16_t* wg = wq + g * K * 32;
+      for (int64_t r = 0; r < M; r += 32) {  // (past 32 rows the next block finds the group's weights in L1/L2)
+        const uint16_t* xr = xp + r * K;
+        int m0 = (int)std::min<int64_t>(M - r, 16), m1 = (int)std::min<int64_t>(M - r - m0, 16);
+        if (shape != 32 * m0 + m1) {  // C tiles 0-3 (rows 0-15 and 16-31 by 2 x 16 columns), A 4-5, B 6-7
+          shape = 32 * m0 + m1;
+          alignas(64) TileConfig cfg = {};
+          cfg.palette = 1;
+          for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+          cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = m0;
+          cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = std::max(m1, 1);
+          cfg.rows[6] = cfg.rows[7] = 16;
+          _tile_loadconfig(&cfg);
+        }
         _tile_zero(0); _tile_zero(1);
         if (m1) { _tile_zero(2); _tile_zero(3); }
         for (int64_t kb = 0; kb < KB; kb++) {
@@ -522,13 +529,13 @@ MIN_ROWS, MAX_ROWS = 8, 16
 
 
 def wanted(device, dtype) -> bool:
-    """bf16 on a CPU with AVX-512 bf16 and no AMX (with AMX, oneDNN and inductor's AMX template do well)."""
+    """bf16 on a CPU with AVX-512 bf16 and no AMX (rows_linear, tree_attention)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
 
 
 def wanted_tiles(device, dtype) -> bool:
-    """bf16 on a CPU with AMX tiles that the OS lets this process use (rows_attention)."""
+    """bf16 on a CPU with AMX tiles that the OS lets this process use (tiles_linear, rows_attention)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
 
@@ -574,8 +581,9 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor:
 
 
 class TileLinear(nn.Linear):
-    """nn.Linear whose bf16 forward over up to MAX_TILE_ROWS rows (a token step, a tree's rows) is
-    tiles_linear on a packed copy of the weight, kept beside it (prefill uses the weight as it is)."""
+    """nn.Linear whose bf16 forward over up to MAX_TILE_ROWS rows (a token step, a tree's rows, a
+    draft level, a short prompt) is tiles_linear on a packed copy of the weight, kept beside it
+    (longer prompts use the weight as it is)."""
 
     def forward(self, x):
         if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_TILE_ROWS:
@@ -618,8 +626,8 @@ class TileAttention(Attention):
 
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
-    its Attentions RowsAttentions, in place; with AMX tiles its Attentions become TileAttentions.
-    Returns model."""
+    its Attentions RowsAttentions, in place; with AMX tiles its bias-free nn.Linears (N and K
+    multiples of 32) become TileLinears and its Attentions TileAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
         for m in model.modules():
             if type(m) is Attention:
