@@ -12,11 +12,13 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
   every line loaded meets all the rows from registers, with no horizontal sums, and each thread
   streams its panels in order. 8 rows then cost about what one costs (the memory's rate).
 - tree_attention: a kv head's query rows 16 at a time, scores, fp32 softmax and values in one pass.
-- tiles_linear (with AMX): 1-64 rows on AMX tiles, the weights packed (pack_tiles) so that each
-  thread streams one run of B tiles; as fast for a token as inductor's one-row kernel and oneDNN,
-  and a tree's rows cost within 6-9% of one row (docs/speed.md).
+- tiles_linear (with AMX): 1-64 rows on AMX tiles, a bias optional, the weights packed (pack_tiles)
+  so that each thread streams one run of B tiles; as fast for a token as inductor's one-row kernel
+  and oneDNN, and a tree's rows cost within 6-9% of one row (docs/speed.md).
 - rows_attention (with AMX): tree_attention's job on AMX tiles, over the tree mask gathered into the
   cache slots (Transformer.tree_sdpa).
+- argmax (both): the greedy token of each row (trees.argmax), each thread over the columns that its
+  core's lm_head wrote.
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are;
@@ -311,11 +313,13 @@ static bool amx_permitted() {  // the kernel may use the tile registers (Linux: 
 // prefetches measured no faster). x's rows, up to 32 at a time, are A tiles; each C tile sums a row's
 // products in the same order whatever the other rows, so a row gets the same result in a tree step as
 // alone. 1-16 rows stream the weights at 25 GB/s on a 2-core Xeon 167, as fast as one row's GEMV.
-at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp) {
+at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 6
               && wp.size(2) == 2 && wp.size(3) == 16 && wp.size(4) == 16 && wp.size(5) == 2
               && x.size(-1) == 32 * wp.size(1) && wp.is_contiguous(),
               "tiles_linear: bf16 x [..., K] and packed w [N/32, K/32, 2, 16, 16, 2]");
+  TORCH_CHECK(!b || (b->scalar_type() == at::kBFloat16 && b->dim() == 1 && b->size(0) == 32 * wp.size(0)
+                     && b->is_contiguous()), "tiles_linear: the bias is bf16 [N]");
   TORCH_CHECK(amx_permitted(), "tiles_linear: AMX tiles not permitted");
   auto xs = x.reshape({-1, x.size(-1)}).contiguous();
   int64_t M = xs.size(0), K = xs.size(1), G = wp.size(0), N = 32 * G, KB = K / 32;
@@ -323,6 +327,7 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp) {
   auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
   auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  auto bp = b ? (const uint16_t*)b->data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float c[32][32];
     int shape = -1;
@@ -358,9 +363,14 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp) {
         _tile_stored(0, &c[0][0], 128);
         _tile_stored(1, &c[0][16], 128);
         if (m1) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
+        __m512 bias[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // summed in fp32, rounded once
+        for (int h = 0; bp && h < 2; h++)
+          bias[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+              _mm256_loadu_si256((const __m256i*)(bp + 32 * g + 16 * h))), 16));
         for (int m = 0; m < m0 + m1; m++)
           for (int h = 0; h < 2; h++)
-            _mm256_storeu_si256((__m256i*)(yp + (r + m) * N + 32 * g + 16 * h), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[m][16 * h])));
+            _mm256_storeu_si256((__m256i*)(yp + (r + m) * N + 32 * g + 16 * h),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&c[m][16 * h]), bias[h])));
       }
     }
     _tile_release();
@@ -368,6 +378,50 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
+}
+
+// logits [..., V] bf16 -> [...] int64, the first index of each row's maximum (torch's argmax; NaNs
+// are passed over). Each thread takes a run of columns of every row, the run the lm_head's kernel
+// wrote from that core, then the runs' maxima meet in order, the earlier winning a tie. (Inductor's
+// max-then-min took 200 us over 13 rows of 49,152, as much as 12 of the tree step's 30 layers' norms.)
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && x.size(-1) > 0,
+              "argmax: bf16 [..., V], V a multiple of 16");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), V = xs.size(1), T = std::min<int64_t>(at::get_num_threads(), V / 16);
+  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
+  std::vector<float> best(T * M);
+  std::vector<int64_t> where(T * M);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t c0 = V / 16 * t / T * 16, c1 = V / 16 * (t + 1) / T * 16;
+      for (int64_t m = 0; m < M; m++) {
+        __m512 b = _mm512_set1_ps(-INFINITY);
+        __m512i i = _mm512_set1_epi32((int)c0), at = _mm512_add_epi32(i, _mm512_set_epi32(
+            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+        for (int64_t c = c0; c < c1; c += 16) {  // lane l: the first of its maxima over columns = l mod 16
+          __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+              _mm256_loadu_si256((const __m256i*)(xp + m * V + c))), 16));
+          __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+          b = _mm512_mask_blend_ps(gt, b, v);
+          i = _mm512_mask_blend_epi32(gt, i, at);
+          at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+        float mx = _mm512_reduce_max_ps(b);
+        best[t * M + m] = mx;
+        where[t * M + m] = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(b, _mm512_set1_ps(mx), _CMP_EQ_OQ), i);
+      }
+    }
+  });
+  auto y = at::empty({M}, x.options().dtype(at::kLong));
+  auto yp = y.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; m++) {
+    int64_t w = 0;  // all NaN (or all -inf): column 0
+    for (int64_t t = 0; t < T; t++)
+      if (best[t * M + m] > best[w * M + m]) w = t;
+    yp[m] = best[w * M + m] == -INFINITY ? 0 : where[w * M + m];
+  }
+  return y.view(x.sizes().slice(0, x.dim() - 1));
 }
 
 // As SDPA with a bool mask, for a few query rows on AMX tiles (what SDPA's CPU kernel spends on a
@@ -513,13 +567,16 @@ TORCH_LIBRARY(treespec, m) {
   m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
   m.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
-  m.def("tiles_linear(Tensor x, Tensor wp) -> Tensor");
+  // b without a default: compiled with cpp_wrapper, torch 2.13 hands over only the arguments given
+  m.def("tiles_linear(Tensor x, Tensor wp, Tensor? b) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("rows_linear", &rows_linear);
   m.impl("tree_attention", &tree_attention);
   m.impl("rows_attention", &rows_attention);
   m.impl("tiles_linear", &tiles_linear);
+  m.impl("argmax", &argmax);
 }
 """
 
@@ -543,6 +600,11 @@ def wanted_tiles(device, dtype) -> bool:
 _built = None
 
 
+def built() -> bool:
+    """Whether build() has loaded the ops (without building them)."""
+    return _built is True
+
+
 def build() -> bool:
     """Compiles and loads the ops once per process; False (with a note) where that fails."""
     global _built
@@ -557,7 +619,8 @@ def build() -> bool:
             torch.library.register_fake("treespec::tree_attention")(
                 lambda q, k, v, k_new, v_new, prefix, tree_mask: torch.empty_like(q, memory_format=torch.contiguous_format))
             torch.library.register_fake("treespec::tiles_linear")(
-                lambda x, wp: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]))
+                lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]))
+            torch.library.register_fake("treespec::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
             torch.library.register_fake("treespec::rows_attention")(
                 lambda q, k, v, mask: torch.empty_like(q, memory_format=torch.contiguous_format))
             _built = True
@@ -587,7 +650,7 @@ class TileLinear(nn.Linear):
 
     def forward(self, x):
         if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_TILE_ROWS:
-            return torch.ops.treespec.tiles_linear(x, self.packed)
+            return torch.ops.treespec.tiles_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -626,13 +689,13 @@ class TileAttention(Attention):
 
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
-    its Attentions RowsAttentions, in place; with AMX tiles its bias-free nn.Linears (N and K
-    multiples of 32) become TileLinears and its Attentions TileAttentions. Returns model."""
+    its Attentions RowsAttentions, in place; with AMX tiles its nn.Linears (N and K multiples of 32,
+    with or without a bias) become TileLinears and its Attentions TileAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = TileAttention
-            elif (type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype
+            elif (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
                   and m.weight.shape[0] % 32 == 0 and m.weight.shape[1] % 32 == 0):
                 m.register_buffer("packed", pack_tiles(m.weight), persistent=False)
                 m.__class__ = TileLinear

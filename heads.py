@@ -54,7 +54,7 @@ def set_draft_vocab(head, base, d2t: Tensor):
     head.register_buffer("d2t", d2t.to(dev), persistent=False)
     head.draft_lm = nn.Linear(W.shape[1], len(d2t), bias=False, device="meta")     # the draft vocab's rows:
     del head.draft_lm.weight                                                       # a buffer, so that heads
-    head.draft_lm.register_buffer("weight", W[head.d2t], persistent=False)        # train and save without it
+    head.draft_lm.register_buffer("weight", W.detach()[head.d2t], persistent=False)  # train and save without it
     known = torch.zeros(base.args.vocab_size + 1, dtype=torch.bool, device=dev)   # [V + 1], the last a sink
     known[head.d2t] = True
     head.register_buffer("in_draft", known, persistent=False)

@@ -1,6 +1,7 @@
 """The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
 row count (their blocks and tails), tree_attention is model.tree_attention, rows_attention is SDPA,
-install swaps what it should, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
+install swaps what it should, argmax is torch's, and a compiled bf16 tree forward calls them and agrees
+with the fp32 one."""
 import pytest
 import torch
 import torch.nn as nn
@@ -47,11 +48,14 @@ def test_tiles_linear_is_a_bf16_matmul(K):
     alone = torch.randn(1, K, generator=g).bfloat16()
     for M in (1, 2, 13, 16, 17, 32, 33, 45):  # A tiles of 16 rows, blocks of 32 and their tails
         x = torch.randn(1, M, K, generator=g).bfloat16()
-        y = torch.ops.treespec.tiles_linear(x, wp)
+        y = torch.ops.treespec.tiles_linear(x, wp, None)
         assert y.shape == (1, M, 96) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
         x[0, M // 2] = alone  # a row's result does not depend on the rows beside it
-        assert torch.equal(torch.ops.treespec.tiles_linear(x, wp)[0, M // 2], torch.ops.treespec.tiles_linear(alone, wp)[0])
+        assert torch.equal(torch.ops.treespec.tiles_linear(x, wp, None)[0, M // 2], torch.ops.treespec.tiles_linear(alone, wp, None)[0])
+    b = torch.randn(96, generator=g).bfloat16()  # a bias (EAGLE's fc) joins the fp32 sums, rounded once
+    torch.testing.assert_close(torch.ops.treespec.tiles_linear(x, wp, b).float(), x.float() @ w.float().T + b.float(),
+                               rtol=2 ** -8 + 1e-5, atol=1e-4)
 
 
 @zen4
@@ -109,13 +113,16 @@ def test_install_with_tiles_swaps_linears_and_attention():
                       Attention(ModelArgs(dim=128, n_head=2)))
     w0 = m[0].weight
     ck.install(m.bfloat16(), "cpu", torch.bfloat16)
-    # a bias, or N not a multiple of the kernel's 32 columns: left as they are
-    assert [type(l) for l in m] == [ck.TileLinear, nn.Linear, nn.Linear, ck.TileAttention]
+    # N not a multiple of the kernel's 32 columns: left as it is
+    assert [type(l) for l in m] == [ck.TileLinear, ck.TileLinear, nn.Linear, ck.TileAttention]
     assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
     x = torch.randn(ck.MAX_TILE_ROWS + 1, 64).bfloat16()  # prefill: torch's kernel, bit for bit
     assert torch.equal(m[0](x), F.linear(x, w0))
     x = torch.randn(2, 5, 64).bfloat16()  # 10 rows: the kernel, the batch dims kept
     torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
+    x = torch.randn(3, 96).bfloat16()  # with its bias
+    torch.testing.assert_close(m[1](x).float(), F.linear(x.float(), m[1].weight.float(), m[1].bias.float()),
+                               rtol=2 ** -8 + 1e-5, atol=1e-4)
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is Attention
     a = m[3]
     q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (ck.MAX_TILE_ROWS + 1, 80, 80))
@@ -134,6 +141,32 @@ def test_eagle_head_attends_with_the_base_kernels():
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
     assert type(head.head.layer.block.attention) is ck.TileAttention
     assert type(head.head.draft_lm) is ck.TileLinear and type(head.head.layer.block.feed_forward.w1) is ck.TileLinear
+    assert type(head.head.fc) is ck.TileLinear and head.head.fc.bias is not None
+
+
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)),
+                    reason="the kernels are for CPUs with AVX-512 bf16")
+def test_argmax_op_is_torchs_first_maximum():
+    """treespec::argmax, which trees.argmax calls for bf16 logits once the kernels are built: torch's
+    first maximum for one row and many, ties (few distinct values) across the threads' runs included."""
+    import trees as T
+    assert ck.build()
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two runs of columns, whatever the machine
+    try:
+        for rows, V in [(1, 16), (1, 49152), (13, 49152), (4, 4096), (3, 112)]:
+            for x in (torch.randint(0, 3, (rows, V), generator=g).bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
+                x[0, :V // 2] = -float("inf")  # the winner in the last thread's run
+                assert torch.equal(torch.ops.treespec.argmax(x), x.argmax(-1)) and torch.equal(T.argmax(x), x.argmax(-1))
+                assert torch.equal(torch.ops.treespec.argmax(x[None]), x[None].argmax(-1))
+        x = torch.full((2, 64), -float("inf")).bfloat16()
+        x[1, 40] = 1
+        assert torch.ops.treespec.argmax(x).tolist() == [0, 40]
+        x[1, 3] = float("nan")  # passed over by the op (torch: 3; the max-and-min fallback: 63), so trees.argmax calls it
+        assert torch.ops.treespec.argmax(x).tolist() == [0, 40] and T.argmax(x).tolist() == [0, 40]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @zen4
@@ -159,11 +192,13 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
                     reason="the kernels are for CPUs with AVX-512 bf16")
 def test_compiled_tree_forward_calls_the_kernels(one_thread):
     """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
-    rows_linear and tree_attention (no AMX) or tiles_linear and rows_attention (AMX), and agrees with the fp32
-    forward to bf16 rounding."""
+    rows_linear and tree_attention (no AMX) or tiles_linear and rows_attention (AMX; q/k/v with a bias,
+    as Qwen2's), and agrees with the fp32 forward to bf16 rounding; its greedy tokens are the argmax op's."""
     from torch._inductor.utils import run_and_get_code
+    import trees as T
     torch.manual_seed(0)
-    args = ModelArgs(dim=128, n_layer=1, n_head=2, n_kv_head=1, intermediate_size=256, vocab_size=512, max_seq_len=64)
+    args = ModelArgs(dim=128, n_layer=1, n_head=2, n_kv_head=1, intermediate_size=256, vocab_size=512, max_seq_len=64,
+                     attn_bias=True)
     ref = Transformer(args).eval()
     model = Transformer(args).eval()
     model.load_state_dict(ref.state_dict())
@@ -178,11 +213,13 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
             m(tokens[:, :P], torch.arange(P))
         step = lambda m: (lambda t: m(t, P + torch.arange(N), torch.arange(63)[None] < P,
                                       cache_pos=P + torch.arange(N), tree_mask=tree))
-        y, code = run_and_get_code(G.compile_step(step(model), "cpu", mode="default"), tokens[:, P:])
+        greedy = lambda t: (lambda y: (y, T.argmax(y[0])))(step(model)(t))
+        (y, top), code = run_and_get_code(G.compile_step(greedy, "cpu", mode="default"), tokens[:, P:])
         want = step(ref)(tokens[:, P:])
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):
         assert "rows_attention" in code and "tiles_linear" in code and "rows_linear" not in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
+    assert "treespec::argmax" in code and torch.equal(top, y[0].argmax(-1))
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())

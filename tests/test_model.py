@@ -183,6 +183,16 @@ def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, no
     assert compiled == eager
 
 
+def test_lean_guards_keep_inputs_and_buffers_but_not_weights_or_packed_copies():
+    from types import SimpleNamespace as NS
+    g = lambda name, value, module=True: NS(name=name, value=value,
+                                             orig_guard=NS(source=NS(is_unspecialized_nn_module=lambda: module)))
+    guards = [g("L['t']", torch.zeros(1), module=False), g("G['m']._buffers['k_cache']", torch.zeros(1)),
+              g("G['m']._modules['w']._buffers['packed']", torch.zeros(1)),
+              g("G['m']._parameters['weight']", torch.nn.Parameter(torch.zeros(1))), g("G['m'].training", False)]
+    assert generate.lean_guards(guards) == [True, True, False, False, False]
+
+
 def test_compiled_step_recompiles_for_longer_caches(tiny_model):
     """compile_step drops Dynamo's guards on modules and weights (lean_guards) but keeps those on
     buffers: caches re-allocated longer (a longer prompt) compile a second graph rather than run the

@@ -707,8 +707,8 @@ def test_compiles_fullgraph():
 @settings(max_examples=50, deadline=None)
 @given(rows=st.integers(1, 5), V=st.integers(1, 300), levels=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_argmax_is_torchs_first_maximum(rows, V, levels, seed):
-    """trees.argmax (the greedy token, written as a max and a min) equals torch's argmax, ties
-    (few distinct values) included, in fp32 and bf16."""
+    """trees.argmax (the greedy token: a max and a min, or for bf16 the kernels' op once built)
+    equals torch's argmax, ties (few distinct values) included, in fp32 and bf16."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, levels, (rows, V), generator=g).float()
     for t in (x, x.bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
