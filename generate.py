@@ -153,7 +153,7 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
 # tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
 # CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
 ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
-ENGINE = ("model.py", "cpu_kernels.py", "heads.py", "trees.py", "generate.py", "quantize.py")  # whose code the timings time
+ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.cpp", "heads.py", "trees.py", "generate.py", "quantize.py")  # whose code the timings time
 
 
 def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, tree=None):
