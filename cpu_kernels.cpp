@@ -274,6 +274,41 @@ static bool amx_permitted() {  // the kernel may use the tile registers (Linux: 
   return ok;
 }
 
+// C tiles 0-3 (rows 0-15 and 16-31 by 2 x 16 columns), A 4-5, B 6-7, for m0 + m1 rows (shape: the last set)
+static inline void tile_config(int& shape, int m0, int m1) {
+  if (shape == 32 * m0 + m1) return;
+  shape = 32 * m0 + m1;
+  alignas(64) TileConfig cfg = {};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = m0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = std::max(m1, 1);
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// c [rows][32] (fp32) = the rows of xr (row stride K; 16 + m1 of them, or the config's m0 when m1 is 0)
+// times one group of 32 packed columns wg [K/32][2][16][16][2]
+static inline void tile_group(const uint16_t* xr, int64_t K, const uint16_t* wg, int m1, float (*c)[32]) {
+  _tile_zero(0); _tile_zero(1);
+  if (m1) { _tile_zero(2); _tile_zero(3); }
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(4, xr + kb * 32, K * 2);
+    _tile_loadd(6, wg + kb * 1024, 64);
+    _tile_loadd(7, wg + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (m1) {
+      _tile_loadd(5, xr + 16 * K + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, &c[0][0], 128);
+  _tile_stored(1, &c[0][16], 128);
+  if (m1) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
+}
+
 // y [..., N] = x [..., K] @ w^T on AMX tiles, w packed by pack_tiles() as [N/32][K/32][2][16][16][2]:
 // for 32 columns and 32 k, the two B tiles (16 pairs of k by 16 columns by the pair), 2 KB in a row,
 // so that a thread's share of w is one sequential stream (the hardware prefetcher keeps up: software
@@ -289,7 +324,7 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp, const std::op
                      && b->is_contiguous()), "tiles_linear: the bias is bf16 [N]");
   TORCH_CHECK(amx_permitted(), "tiles_linear: AMX tiles not permitted");
   auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  int64_t M = xs.size(0), K = xs.size(1), G = wp.size(0), N = 32 * G, KB = K / 32;
+  int64_t M = xs.size(0), K = xs.size(1), G = wp.size(0), N = 32 * G;
   auto y = at::empty({M, N}, x.options());
   auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
@@ -299,37 +334,10 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp, const std::op
     alignas(64) float c[32][32];
     int shape = -1;
     for (int64_t g = g0; g < g1; g++) {
-      const uint16_t* wg = wq + g * K * 32;
       for (int64_t r = 0; r < M; r += 32) {  // (past 32 rows the next block finds the group's weights in L1/L2)
-        const uint16_t* xr = xp + r * K;
         int m0 = (int)std::min<int64_t>(M - r, 16), m1 = (int)std::min<int64_t>(M - r - m0, 16);
-        if (shape != 32 * m0 + m1) {  // C tiles 0-3 (rows 0-15 and 16-31 by 2 x 16 columns), A 4-5, B 6-7
-          shape = 32 * m0 + m1;
-          alignas(64) TileConfig cfg = {};
-          cfg.palette = 1;
-          for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
-          cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = m0;
-          cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = std::max(m1, 1);
-          cfg.rows[6] = cfg.rows[7] = 16;
-          _tile_loadconfig(&cfg);
-        }
-        _tile_zero(0); _tile_zero(1);
-        if (m1) { _tile_zero(2); _tile_zero(3); }
-        for (int64_t kb = 0; kb < KB; kb++) {
-          _tile_loadd(4, xr + kb * 32, K * 2);
-          _tile_loadd(6, wg + kb * 1024, 64);
-          _tile_loadd(7, wg + kb * 1024 + 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (m1) {
-            _tile_loadd(5, xr + 16 * K + kb * 32, K * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, &c[0][0], 128);
-        _tile_stored(1, &c[0][16], 128);
-        if (m1) { _tile_stored(2, &c[16][0], 128); _tile_stored(3, &c[16][16], 128); }
+        tile_config(shape, m0, m1);
+        tile_group(xp + r * K, K, wq + g * K * 32, m1, c);
         __m512 bias[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // summed in fp32, rounded once
         for (int h = 0; bp && h < 2; h++)
           bias[h] = load_bf16(bp + 32 * g + 16 * h);
@@ -337,6 +345,55 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp, const std::op
           for (int h = 0; h < 2; h++)
             _mm256_storeu_si256((__m256i*)(yp + (r + m) * N + 32 * g + 16 * h),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&c[m][16 * h]), bias[h])));
+      }
+    }
+    _tile_release();
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+extern "C" __m512 Sleef_expf16_u10(__m512);  // libtorch_cpu's, which inductor's exp calls
+
+static inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// SwiGLU's first half, y [..., N] = silu(x @ w1^T) * (x @ w3^T), with w1 and w3 [N, K] packed by
+// pack_glu: per 32 columns, w1's group then w3's, so that one thread has both in the same C tiles'
+// rows and the product leaves no [M, 2N] for another kernel (a tree's 13 rows took inductor's
+// SiLU-mul kernel 10 us a layer). As the compiled model rounds: each product to bf16, then silu and
+// the multiply in fp32 (Sleef's exp, IEEE division) and one rounding.
+at::Tensor tiles_glu(const at::Tensor& x, const at::Tensor& wp) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 6
+              && wp.size(0) % 2 == 0 && wp.size(2) == 2 && wp.size(3) == 16 && wp.size(4) == 16
+              && wp.size(5) == 2 && x.size(-1) == 32 * wp.size(1) && wp.is_contiguous(),
+              "tiles_glu: bf16 x [..., K] and packed w1, w3 [2N/32, K/32, 2, 16, 16, 2]");
+  TORCH_CHECK(amx_permitted(), "tiles_glu: AMX tiles not permitted");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), K = xs.size(1), G = wp.size(0) / 2, N = 32 * G;
+  auto y = at::empty({M, N}, x.options());
+  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
+  auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
+  auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float c[32][32], d[32][32];
+    int shape = -1;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t g = g0; g < g1; g++) {
+      for (int64_t r = 0; r < M; r += 32) {
+        int m0 = (int)std::min<int64_t>(M - r, 16), m1 = (int)std::min<int64_t>(M - r - m0, 16);
+        tile_config(shape, m0, m1);
+        tile_group(xp + r * K, K, wq + 2 * g * K * 32, m1, c);
+        tile_group(xp + r * K, K, wq + (2 * g + 1) * K * 32, m1, d);
+        for (int m = 0; m < m0 + m1; m++)
+          for (int h = 0; h < 2; h++) {
+            __m512 a = round_bf16(_mm512_load_ps(&c[m][16 * h])), u = round_bf16(_mm512_load_ps(&d[m][16 * h]));
+            __m512 s = _mm512_div_ps(a, _mm512_add_ps(Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), a)), one));
+            _mm256_storeu_si256((__m256i*)(yp + (r + m) * N + 32 * g + 16 * h),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, u)));
+          }
       }
     }
     _tile_release();
@@ -534,6 +591,7 @@ TORCH_LIBRARY(treespec, m) {
   m.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
   // b without a default: compiled with cpp_wrapper, torch 2.13 hands over only the arguments given
   m.def("tiles_linear(Tensor x, Tensor wp, Tensor? b) -> Tensor");
+  m.def("tiles_glu(Tensor x, Tensor wp) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
@@ -541,5 +599,6 @@ TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("tree_attention", &tree_attention);
   m.impl("rows_attention", &rows_attention);
   m.impl("tiles_linear", &tiles_linear);
+  m.impl("tiles_glu", &tiles_glu);
   m.impl("argmax", &argmax);
 }

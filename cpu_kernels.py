@@ -15,6 +15,7 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
 - tiles_linear (with AMX): 1-64 rows on AMX tiles, a bias optional, the weights packed (pack_tiles)
   so that each thread streams one run of B tiles; as fast for a token as inductor's one-row kernel
   and oneDNN, and a tree's rows cost within 6-9% of one row (docs/speed.md).
+- tiles_glu (with AMX): a SwiGLU's gate and up projections and silu(gate) * up in one op (pack_glu).
 - rows_attention (with AMX): tree_attention's job on AMX tiles, over the tree mask gathered into the
   cache slots (Transformer.tree_sdpa).
 - argmax (both): the greedy token of each row (trees.argmax), each thread over the columns that its
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Attention, tree_attention
+from model import Attention, FeedForward, tree_attention
 
 
 # the row counts given to rows_linear (a static shape, so chosen when traced): compiled base forward
@@ -74,6 +75,8 @@ def build() -> bool:
                 lambda q, k, v, k_new, v_new, prefix, tree_mask: torch.empty_like(q, memory_format=torch.contiguous_format))
             torch.library.register_fake("treespec::tiles_linear")(
                 lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]))
+            torch.library.register_fake("treespec::tiles_glu")(
+                lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
             torch.library.register_fake("treespec::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
             torch.library.register_fake("treespec::rows_attention")(
                 lambda q, k, v, mask: torch.empty_like(q, memory_format=torch.contiguous_format))
@@ -97,6 +100,12 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor:
     return w.detach().view(N // 32, 2, 16, K // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
+def pack_glu(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """w1, w3 [N, K] -> pack_tiles of [2N, K] holding w1's first 32 rows, w3's, w1's next 32, ... (tiles_glu's layout)."""
+    N, K = w1.shape
+    return pack_tiles(torch.stack([w1.detach().view(N // 32, 32, K), w3.detach().view(N // 32, 32, K)], 1).view(2 * N, K))
+
+
 class TileLinear(nn.Linear):
     """nn.Linear whose bf16 forward over up to MAX_TILE_ROWS rows (a token step, a tree's rows, a
     draft level, a short prompt) is tiles_linear on a packed copy of the weight, kept beside it
@@ -106,6 +115,16 @@ class TileLinear(nn.Linear):
         if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_TILE_ROWS:
             return torch.ops.treespec.tiles_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class TileFeedForward(FeedForward):
+    """FeedForward whose bf16 forward over up to MAX_TILE_ROWS rows makes silu(w1(x)) * w3(x) in one
+    tiles_glu call on a packed copy of w1 and w3 (longer prompts use the weights as they are)."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= MAX_TILE_ROWS:
+            return self.w2(torch.ops.treespec.tiles_glu(x, self.packed))
+        return super().forward(x)
 
 
 class RowsLinear(nn.Linear):
@@ -143,13 +162,22 @@ class TileAttention(Attention):
 
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
-    its Attentions RowsAttentions, in place; with AMX tiles its nn.Linears (N and K multiples of 32,
-    with or without a bias) become TileLinears and its Attentions TileAttentions. Returns model."""
+    its Attentions RowsAttentions, in place; with AMX tiles its FeedForwards (bias-free, N and K
+    multiples of 32) become TileFeedForwards, its other nn.Linears (N and K multiples of 32, with or
+    without a bias) TileLinears and its Attentions TileAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
+        glu = set()  # a TileFeedForward's w1 and w3: their packed copy is its own
+        for m in model.modules():
+            if (type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
+                                               for l in (m.w1, m.w3))
+                    and m.w1.weight.shape[0] % 32 == 0 and m.w1.weight.shape[1] % 32 == 0):
+                m.register_buffer("packed", pack_glu(m.w1.weight, m.w3.weight), persistent=False)
+                m.__class__ = TileFeedForward
+                glu |= {m.w1, m.w3}
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = TileAttention
-            elif (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
+            elif m not in glu and (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
                   and m.weight.shape[0] % 32 == 0 and m.weight.shape[1] % 32 == 0):
                 m.register_buffer("packed", pack_tiles(m.weight), persistent=False)
                 m.__class__ = TileLinear

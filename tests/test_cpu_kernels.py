@@ -1,5 +1,5 @@
 """The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
-row count (their blocks and tails), tree_attention is model.tree_attention, rows_attention is SDPA,
+row count (their blocks and tails), tiles_glu is the compiled SwiGLU's silu(gate) * up, tree_attention is model.tree_attention, rows_attention is SDPA,
 install swaps what it should, argmax is torch's, and a compiled bf16 tree forward calls them and agrees
 with the fp32 one."""
 import pytest
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import cpu_kernels as ck
 import generate as G
-from model import Attention, ModelArgs, Transformer, tree_attention
+from model import Attention, FeedForward, ModelArgs, Transformer, tree_attention
 
 zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
                           reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
@@ -107,6 +107,27 @@ def test_rows_attention_kernel_is_sdpa(B, H, H_kv, T, L, P):
 
 
 @amx
+@pytest.mark.parametrize("K", [64, 576])
+def test_tiles_glu_is_silu_gate_times_up(K):
+    """Bit for bit what the compiled FeedForward makes of the two projections: each rounded to bf16,
+    silu and the product in fp32 (torch's exp, as inductor's), rounded once; a row alone the same."""
+    assert ck.build()
+    g = torch.Generator().manual_seed(K)
+    w1, w3 = (torch.randn(96, K, generator=g).mul(0.1).bfloat16() for _ in range(2))  # 3 groups of 32 columns
+    wp = ck.pack_glu(w1, w3)
+    assert wp.shape == (6, K // 32, 2, 16, 16, 2) and torch.equal(wp[2], ck.pack_tiles(w1)[1])
+    assert torch.equal(wp[5], ck.pack_tiles(w3)[2])
+    alone = torch.randn(1, K, generator=g).bfloat16()
+    for M in (1, 2, 13, 16, 17, 32, 33, 45):
+        x = torch.randn(1, M, K, generator=g).bfloat16()
+        a, b = (torch.ops.treespec.tiles_linear(x, ck.pack_tiles(w), None).float() for w in (w1, w3))
+        y = torch.ops.treespec.tiles_glu(x, wp)
+        assert y.shape == (1, M, 96) and torch.equal(y, (a / (1 + torch.exp(-a)) * b).bfloat16())
+        x[0, M // 2] = alone
+        assert torch.equal(torch.ops.treespec.tiles_glu(x, wp)[0, M // 2], torch.ops.treespec.tiles_glu(alone, wp)[0])
+
+
+@amx
 def test_install_with_tiles_swaps_linears_and_attention():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 48, bias=False),
@@ -124,6 +145,13 @@ def test_install_with_tiles_swaps_linears_and_attention():
     torch.testing.assert_close(m[1](x).float(), F.linear(x.float(), m[1].weight.float(), m[1].bias.float()),
                                rtol=2 ** -8 + 1e-5, atol=1e-4)
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is Attention
+    f = FeedForward(ModelArgs(dim=64, intermediate_size=96)).bfloat16()
+    ck.install(f, "cpu", torch.bfloat16)  # w1 and w3 packed together, for tiles_glu; w2 alone
+    assert type(f) is ck.TileFeedForward and [type(l) for l in (f.w1, f.w2, f.w3)] == [nn.Linear, ck.TileLinear, nn.Linear]
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(f(x), f.w2(torch.ops.treespec.tiles_glu(x, ck.pack_glu(f.w1.weight, f.w3.weight))))
+    x = torch.randn(ck.MAX_TILE_ROWS + 1, 64).bfloat16()  # prefill: torch's kernels
+    assert torch.equal(f(x), f.w2(F.silu(F.linear(x, f.w1.weight)) * F.linear(x, f.w3.weight)))
     a = m[3]
     q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (ck.MAX_TILE_ROWS + 1, 80, 80))
     mask = torch.ones(1, 1, ck.MAX_TILE_ROWS + 1, 80, dtype=torch.bool)
@@ -140,7 +168,7 @@ def test_eagle_head_attends_with_the_base_kernels():
     base, _ = load_model(None, "cpu", torch.bfloat16)
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
     assert type(head.head.layer.block.attention) is ck.TileAttention
-    assert type(head.head.draft_lm) is ck.TileLinear and type(head.head.layer.block.feed_forward.w1) is ck.TileLinear
+    assert type(head.head.draft_lm) is ck.TileLinear and type(head.head.layer.block.feed_forward) is ck.TileFeedForward
     assert type(head.head.fc) is ck.TileLinear and head.head.fc.bias is not None
 
 
@@ -192,7 +220,7 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
                     reason="the kernels are for CPUs with AVX-512 bf16")
 def test_compiled_tree_forward_calls_the_kernels(one_thread):
     """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
-    rows_linear and tree_attention (no AMX) or tiles_linear and rows_attention (AMX; q/k/v with a bias,
+    rows_linear and tree_attention (no AMX) or tiles_linear, tiles_glu and rows_attention (AMX; q/k/v with a bias,
     as Qwen2's), and agrees with the fp32 forward to bf16 rounding; its greedy tokens are the argmax op's."""
     from torch._inductor.utils import run_and_get_code
     import trees as T
@@ -218,7 +246,7 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         want = step(ref)(tokens[:, P:])
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):
-        assert "rows_attention" in code and "tiles_linear" in code and "rows_linear" not in code
+        assert "rows_attention" in code and "tiles_linear" in code and "tiles_glu" in code and "rows_linear" not in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
     assert "treespec::argmax" in code and torch.equal(top, y[0].argmax(-1))
