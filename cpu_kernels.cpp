@@ -107,8 +107,12 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+static inline __m512 widen_bf16(__m256i v) {  // 16 bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+static inline __m512 load_bf16(const uint16_t* p) {
+  return widen_bf16(_mm256_loadu_si256((const __m256i*)p));
 }
 
 // One task: 16 query rows (lanes) of one kv head against its J = L + T keys, the L cache slots
@@ -357,7 +361,7 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& wp, const std::op
 extern "C" __m512 Sleef_expf16_u10(__m512);  // libtorch_cpu's, which inductor's exp calls
 
 static inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16, as fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // SwiGLU's first half, y [..., N] = silu(x @ w1^T) * (x @ w3^T), with w1 and w3 [N, K] packed by

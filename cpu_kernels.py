@@ -166,14 +166,14 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
     multiples of 32) become TileFeedForwards, its other nn.Linears (N and K multiples of 32, with or
     without a bias) TileLinears and its Attentions TileAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
-        glu = set()  # a TileFeedForward's w1 and w3: their packed copy is its own
         for m in model.modules():
             if (type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
                                                for l in (m.w1, m.w3))
                     and m.w1.weight.shape[0] % 32 == 0 and m.w1.weight.shape[1] % 32 == 0):
                 m.register_buffer("packed", pack_glu(m.w1.weight, m.w3.weight), persistent=False)
                 m.__class__ = TileFeedForward
-                glu |= {m.w1, m.w3}
+        # a TileFeedForward's w1 and w3 have their packed copy in it (also when installed twice)
+        glu = {l for m in model.modules() if type(m) is TileFeedForward for l in (m.w1, m.w3)}
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = TileAttention

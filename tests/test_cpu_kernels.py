@@ -1,7 +1,7 @@
 """The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
-row count (their blocks and tails), tiles_glu is the compiled SwiGLU's silu(gate) * up, tree_attention is model.tree_attention, rows_attention is SDPA,
-install swaps what it should, argmax is torch's, and a compiled bf16 tree forward calls them and agrees
-with the fp32 one."""
+row count (their blocks and tails), tiles_glu is the compiled SwiGLU's silu(gate) * up,
+tree_attention is model.tree_attention, rows_attention is SDPA, install swaps what it should (once),
+argmax is torch's, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
 import pytest
 import torch
 import torch.nn as nn
@@ -148,6 +148,8 @@ def test_install_with_tiles_swaps_linears_and_attention():
     f = FeedForward(ModelArgs(dim=64, intermediate_size=96)).bfloat16()
     ck.install(f, "cpu", torch.bfloat16)  # w1 and w3 packed together, for tiles_glu; w2 alone
     assert type(f) is ck.TileFeedForward and [type(l) for l in (f.w1, f.w2, f.w3)] == [nn.Linear, ck.TileLinear, nn.Linear]
+    ck.install(f, "cpu", torch.bfloat16)  # again: w1 and w3 stay plain (no second packed copy)
+    assert [type(l) for l in (f.w1, f.w3)] == [nn.Linear, nn.Linear]
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(f(x), f.w2(torch.ops.treespec.tiles_glu(x, ck.pack_glu(f.w1.weight, f.w3.weight))))
     x = torch.randn(ck.MAX_TILE_ROWS + 1, 64).bfloat16()  # prefill: torch's kernels
