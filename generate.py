@@ -24,7 +24,8 @@ from tqdm import tqdm
 import checkpoint as ckpt
 from checkpoint import load_model
 from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
-from trees import argmax, choose_tree, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
+from trees import (argmax, choose_tree, emitted_tokens, greedy_accept, interpolate, load_tree, logits_to_probs, sample,
+                   sample_accept, typical_accept)
 
 
 def sample_token(logits, temperature: float, top_k: int, top_p: float):
@@ -315,19 +316,24 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
     return t_verify, t_draft
 
 
-def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, paths) -> tuple:
+def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, t_draft, paths) -> tuple:
     """(o_ar, o_spec): seconds that a whole decode step, plain and with the tree `paths`, costs beyond
-    its forwards (the base over its rows, the draft's levels), in t_verify's units: the loop's host
-    sync, sampling or acceptance, compaction, the one-row step's own attention path. Timed once per
-    tree (cached). Zen 5: the AR step ran 1.44 ms under the one-row forward, a 6-node tree's step
-    0.26 ms under its parts, so the parts alone had made a tree look about 10% cheaper than it is."""
+    what the tables give for its forwards (t_verify's rows, t_draft's levels): the loop's host sync,
+    sampling or acceptance, compaction, the one-row step's own attention path, and what the tables
+    miss, such as a draft whose weights the base's forward has just pushed out of the caches. Both
+    steps are timed beside one row, to carry them into the tables' units; the tables' own parts are
+    subtracted, so that the chosen tree is predicted at its measured step. (Xeon 167, subtracting the
+    step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run beside whole
+    steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on Spec-Bench.)
+    Timed once per tree (cached)."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     depth, nodes = max(len(p) for p in paths), static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
 
     def measure(_):
-        verify, draft, step = step_costs(model, head, compiled, rows=(1, nodes), depths=(depth,), tree=paths)
+        verify, _, step = step_costs(model, head, compiled, rows=(1,), depths=(), tree=paths)
         scale = t_verify[1] / verify[1]
-        return {0: (step["ar"] - verify[1]) * scale, 1: (step["spec"] - draft[depth] - verify[nodes]) * scale}
+        return {0: step["ar"] * scale - interpolate(t_verify, 1),
+                1: step["spec"] * scale - interpolate(t_draft, depth) - interpolate(t_verify, nodes)}
     key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "tree": paths}
     o = cached_costs(key, (0, 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, 1: the tree's
     return o[0], o[1]
@@ -388,7 +394,8 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     if choice["paths"] is not None:
         # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
         # tree is then weighed with that fixed cost (close for trees of similar size)
-        overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, choice["paths"])
+        overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
+                                 choice["paths"])
         choice = {**choose(overhead), "overhead": list(overhead)}
     kept.parent.mkdir(parents=True, exist_ok=True)
     tmp = kept.with_suffix(f".{os.getpid()}.tmp")

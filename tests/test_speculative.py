@@ -776,10 +776,19 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     G.resolve_tree(model, head, other, "auto", "cpu")
     # the draft beside one row (its times in the verify table's units), then the chosen tree's whole step
     # beside one row, or a size it chose between two timed sizes, in the same turns as those two
-    assert timed[0] == [1] and all(rows[0] == 1 and len(rows) == 2 or len(rows) == 3 and rows[0] < rows[1] < rows[2]
+    assert timed[0] == [1] and all(rows == [1] or len(rows) == 3 and rows[0] < rows[1] < rows[2]
                                    for rows in timed[1:]), timed
     verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1,))
     assert t_draft[1] == pytest.approx(1e-3 * verify[1] / 2e-3)
+    c = G.resolve_tree.choice
+    if c["paths"] is not None:  # a tree is predicted at its whole step (9 ms beside a 2 ms row, in the tables' units)
+        verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1, 4))
+        monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "fresh")
+        o_ar, o_spec = G.step_overhead(model, head, other, "cpu", None, None, verify, t_draft, c["paths"])
+        step = T.interpolate(t_draft, c["depth"]) + T.interpolate(verify, c["nodes"]) + o_spec
+        assert step == pytest.approx(9e-3 * verify[1] / 2e-3)
+        assert verify[1] + o_ar == pytest.approx(2.5e-3 * verify[1] / 2e-3)
+        monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
     if tree is not None:
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
