@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import costs
 import generate as G
 from checkpoint import default_checkpoint, load_model
 from distill import read_prompts
@@ -323,7 +324,7 @@ def run(args):
         if not args.rows and (args.compile or args.speed or not args.spec_bench) else None
     if args.rows:
         # the same measurement as --tree auto's, read from (and kept in) its cache
-        verify, draft = G.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",
+        verify, draft = costs.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",
                                          args.checkpoint, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4))
         where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
         print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where}, "

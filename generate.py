@@ -6,12 +6,7 @@
     python generate.py --interactive                                        # chat
 """
 import argparse
-import contextlib
-import hashlib
-import json
-import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,13 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch._inductor import list_mode_options
-from tqdm import tqdm
 
 import checkpoint as ckpt
 from checkpoint import load_model
 from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
-from trees import (argmax, choose_tree, emitted_tokens, greedy_accept, interpolate, load_tree, logits_to_probs, sample,
-                   sample_accept, typical_accept)
+from trees import argmax, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
 
 
 def sample_token(logits, temperature: float, top_k: int, top_p: float):
@@ -151,267 +144,15 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
     return draft, accept, depth, nodes, depth + 1 + scratch
 
 
-# tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
-# CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
-ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
-ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.cpp", "heads.py", "trees.py", "generate.py", "quantize.py")  # whose code the timings time
-
-
-def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, tree=None):
-    """What a speculative step is made of, on this machine: seconds of a base forward over N tree
-    rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
-    given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
-    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). tree (static
-    index paths, head given): also the whole decode steps as the loop calls them, plain (ar_step)
-    and speculative with that tree (spec_step), host sync included. Medians of `reps` calls taken
-    in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s}, {"ar": s, "spec": s}
-    or {})."""
-    dev = model.output.weight.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
-    depths = list(depths) if head is not None else []
-    max_depth, max_rows = max(depths, default=0), max(rows, default=1)
-    prefix = min(prefix, model.args.max_seq_len // 2)  # (small test models)
-    rows = [N for N in rows if prefix + N + 2 * max_depth + 2 <= model.args.max_seq_len]
-    gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
-    spec = tree is not None and speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
-    if spec:
-        max_depth, max_rows = max(max_depth, spec[2]), max(max_rows, spec[3])
-    setup_caches(model, head, prefix + max_rows + max_depth + 1,
-                 max(max_rows + 2 * max_depth + 2, spec[4] if spec else 0))
-    P = torch.tensor(prefix, device=dev)
-
-    def verify_fn(N):
-        chain = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
-        slots = torch.arange(N, device=dev)
-
-        def verify(tokens, P):  # tokens [N], as spec_step calls the model
-            prefix = torch.arange(model.max_seq_len, device=dev)[None, :] < P
-            return model(tokens[None], P + slots, prefix, cache_pos=P + slots, tree_mask=chain)
-        return compiled(verify)
-    calls = {}
-    # every N compiles the same code (verify) again: dynamo's limit of 8 a code object would stop the
-    # ninth with fullgraph, and `auto` times its chosen size beside the others in a process that chose
-    # the GEMM backends by compiling it twice already
-    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
-        model(ctx[None], torch.arange(prefix, device=dev))  # fill the prefix's cache slots
-        for N in rows:
-            f, tokens = verify_fn(N), ctx[:N].clone()
-            calls[("verify", N)] = lambda f=f, tokens=tokens: f(tokens, P)
-        if depths:
-            lookup = isinstance(head, WithLookup)
-            draft = compiled(lambda plan, h, t, n, P: draft_static(head, model, plan, h, t, n, P))
-            for d in depths:
-                plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
-                _, state = start(model, head, ctx, d, dict(temperature=0.0))
-                calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
-        if spec:
-            draft_fn, accept, d, nodes, _ = spec
-            ar = compiled(lambda t, pos, span: ar_step(model, t, pos, span=span))
-            sp = compiled(lambda h, t, n, P, span: spec_step(model, draft_fn, accept, h, t, n, P, span))
-            _, state = start(model, head, ctx, d, dict(temperature=0.0))
-            span = live_span(model, 1) or (lambda P: None)
-            tree_span = live_span(model, nodes) or (lambda P: None)
-            host = lambda out: torch.cat([out[1].view(1), out[0]]).tolist()  # the loop's one host sync
-            calls[("step", "ar")] = lambda: host(ar(ctx[-1], P, span(prefix)))
-            calls[("step", "spec")] = lambda: host(sp(*state, tree_span(prefix)))
-        for fn in tqdm(calls.values(), desc="timing the step's parts (once per machine and model)", unit="shape",
-                       file=sys.stderr):
-            fn(), fn()  # compile (and autotune) outside the timing
-        times = {k: [] for k in calls}
-        for _ in range(reps):
-            for k, fn in calls.items():
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return ({N: med[("verify", N)] for N in rows},
-            {d: med[("draft", d)] for d in depths if ("draft", d) in med},
-            {k: med[("step", k)] for k in ("ar", "spec") if ("step", k) in med})
-
-
-def cache_file(key: dict, folder: Path, kind: str) -> Path:
-    return Path(folder) / f"{kind}-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-
-
-def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
-    """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
-    dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
-    lacks one of `wanted` (all of them again, so that one table is one run), else nothing. Returns
-    every cached n, `wanted` and any measured before. ref: an n (or two) that every run measures
-    beside the others; a later run's times are mapped to the table's first run by it, since only the
-    sizes' ratios decide and this host's speed drifts by 10-30% over minutes (one row timed 18.5 ms in
-    a later run against 14.1 in the first made 9 rows look cheaper than one): by the ratio of one, or
-    by the line through two that bracket the new n, which puts it between its neighbours as its own
-    run ordered them (scaled by one row alone, 9 rows came out at 1.43x one row, 1.26x side by side)."""
-    key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
-    path = cache_file(key, folder, "step-costs")
-    costs = {}
-    if path.is_file():
-        rec = json.loads(path.read_text())
-        if rec.get("key") == key:
-            costs = {int(n): t for n, t in rec["costs"].items()}
-    if any(n not in costs for n in wanted):
-        new = measure(list(wanted))
-        refs = [r for r in ((ref,) if isinstance(ref, int) else ref or ()) if r in costs and r in new]
-        to = lambda t: t
-        if len(refs) == 2 and (costs[refs[1]] - costs[refs[0]]) * (new[refs[1]] - new[refs[0]]) > 0:
-            a, b = refs  # the line through both
-            to = lambda t: costs[a] + (t - new[a]) * (costs[b] - costs[a]) / (new[b] - new[a])
-        elif refs:  # one (or two this run put in the other order): the first's ratio
-            to = lambda t, s=costs[refs[0]] / new[refs[0]]: t * s
-        costs.update({n: to(t) for n, t in new.items() if n not in refs})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(key=key, costs=dict(sorted(costs.items()))), indent=1))
-        tmp.replace(path)
-    return dict(sorted(costs.items()))
-
-
-def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, heads_dir=None) -> dict:
-    """What a step part's cost depends on: the machine, the model, its dtype, the mode, the engine's
-    code; for the draft also the head's files and its lookup branch."""
-    code = hashlib.sha1(b"".join((Path(__file__).parent / f).read_bytes() for f in ENGINE)).hexdigest()[:12]
-    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
-               dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
-               layers=model.args.n_layer, dim=model.args.dim, compiled=compile_mode)
-    if head is None:
-        return {**key, "part": "verify"}
-    folder = Path(str(heads_dir))
-    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
-                     if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
-    return {**key, "part": "draft", "heads": str(folder.resolve()), "weights": weights,
-            "lookup": isinstance(head, WithLookup)}
-
-
-def timing_compiler(model, device: str, compile_mode, checkpoint):
-    """How the step's timings compile (compile_mode None: eager), and the mode their cache keys name:
-    with the GEMM backends `compiler` chose, which the timings depend on."""
-    compiled = compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f: f)
-    return compiled, compile_mode and f"{compile_mode} {compiled.gemm}"
-
-
-def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
-                   depths=DEPTHS, refs=(1,)):
-    """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
-    cost_key and kept under the project's cache folder: verification once for the base model (every
-    head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
-    share them. refs: the rows every run times (cached_costs' ref). Returns ({N: s}, {depth: s}) (no
-    head: {})."""
-    compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
-    t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
-                            lambda rs: step_costs(model, None, compiled, rows=sorted({*refs, *rs}))[0],
-                            ckpt.CACHE_DIR, ref=refs)
-    if head is None:
-        return t_verify, {}
-
-    def draft_costs(ds):  # in the verify table's units: one row timed in the same turns
-        one, draft, _ = step_costs(model, head, compiled, rows=(1,), depths=ds)
-        return {d: t * t_verify[1] / one[1] for d, t in draft.items()}
-    t_draft = cached_costs(cost_key(model, device, compile_mode, checkpoint, head, heads_dir), depths, draft_costs,
-                           ckpt.CACHE_DIR)
-    return t_verify, t_draft
-
-
-def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, t_draft, paths) -> tuple:
-    """(o_ar, o_spec): seconds that a whole decode step, plain and with the tree `paths`, costs beyond
-    what the tables give for its forwards (t_verify's rows, t_draft's levels): the loop's host sync,
-    sampling or acceptance, compaction, the one-row step's own attention path, and what the tables
-    miss, such as a draft whose weights the base's forward has just pushed out of the caches. Both
-    steps are timed beside one row, to carry them into the tables' units; the tables' own parts are
-    subtracted, so that the chosen tree is predicted at its measured step. (Xeon 167, subtracting the
-    step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run beside whole
-    steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on Spec-Bench.)
-    Timed once per tree (cached)."""
-    compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
-    depth, nodes = max(len(p) for p in paths), static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
-
-    def measure(_):
-        verify, _, step = step_costs(model, head, compiled, rows=(1,), depths=(), tree=paths)
-        scale = t_verify[1] / verify[1]
-        return {0: step["ar"] * scale - interpolate(t_verify, 1),
-                1: step["spec"] * scale - interpolate(t_draft, depth) - interpolate(t_verify, nodes)}
-    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "tree": paths}
-    o = cached_costs(key, (0, 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, 1: the tree's
-    return o[0], o[1]
-
-
-def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
-    """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
-    here (trees.choose_tree), from the head's acceptance and this machine's measured step costs.
-    acceptance.json holds the held-out counts train.py measured on its data and, where
-    `bench.py --acceptance` ran, counts measured in the step on realistic prompts, the lookup chain
-    beside the head (its "step"): those are preferred. None: no acceptance.json (official
-    checkpoints, the n-gram drafter)."""
-    path = Path(heads_dir) / "acceptance.json"
-    if not path.is_file():
-        return None
-    # the choice itself is kept too: made again, it could read tables its own timings had extended
-    # and name another size, to be timed in turn (minutes on a CPU)
-    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "choice",
-           "acceptance": hashlib.sha1(path.read_bytes()).hexdigest()}
-    kept = cache_file(key, ckpt.CACHE_DIR, "tree-auto")
-    if kept.is_file():
-        return json.loads(kept.read_text())
-    heldout = json.loads(path.read_text())
-    acc = heldout.get("step", heldout)
-    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
-    depth = max((len(p) for p in acc["paths"]), default=1)
-    depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
-    t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint,
-                                       depths=sorted({1, depth}))
-    lookup, hits, both = isinstance(head, WithLookup), None, None
-    n = lookup and str(head.ngram.n)
-    if lookup and n in acc.get("both", {}):  # measured beside the head: no independence assumed
-        both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"][n])}
-        hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][n]]
-    elif lookup and n in heldout.get("lookup", {}).get("counts", {}):
-        hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
-
-    def choose(overhead=(0.0, 0.0)):
-        # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
-        # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed,
-        # in the same turns as the timed sizes on either side of it, to which cached_costs maps it.
-        # (Every size again each time cost minutes a round when the choice moved on to another size.)
-        nonlocal t_verify
-        pick = lambda: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
-                                   both=both, overhead=overhead)
-        choice = pick()
-        for _ in range(3):
-            N = choice["nodes"]
-            if choice["paths"] is None or N in t_verify:
-                break
-            lo, hi = max(n for n in t_verify if n < N), min((n for n in t_verify if n > N), default=None)
-            refs = (lo, hi) if hi else (lo,)
-            t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(N,),
-                                         refs=refs)
-            choice = pick()
-        return choice
-    choice = choose()
-    if choice["paths"] is not None:
-        # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
-        # tree is then weighed with that fixed cost (close for trees of similar size)
-        overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
-                                 choice["paths"])
-        choice = {**choose(overhead), "overhead": list(overhead)}
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(choice))
-    tmp.replace(kept)
-    return choice
-
-
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):
-    """--tree as the speculator takes it: `auto` becomes the tree auto_tree chooses (a list of index
+    """--tree as the speculator takes it: `auto` becomes the tree costs.auto_tree chooses (a list of index
     paths), or None where plain decoding is predicted fastest; a head with no measured acceptance
     gets tree16. Prints what was chosen and the predicted speed-up (kept in resolve_tree.choice)."""
     if tree != "auto":
         return tree
     folder = Path(str(heads_dir))
-    choice = resolve_tree.choice = auto_tree(model, head, folder, device, compile_mode, checkpoint)
+    import costs  # (it times this module's steps)
+    choice = resolve_tree.choice = costs.auto_tree(model, head, folder, device, compile_mode, checkpoint)
     if choice is None:
         print(f"--tree auto: {folder} has no acceptance.json (train.py writes it), so tree16", file=sys.stderr)
         return "tree16"
@@ -518,11 +259,13 @@ def compiler(model, device: str, mode=None, checkpoint=None):
     costs), and every step compiled here gets the faster."""
     gemm = None
     if device == "cpu" and "max-autotune" in (mode or "max-autotune"):
+        import costs  # (it times this module's steps)
+
         def measure(idx):
-            return {i: step_costs(model, None, lambda f, g=GEMMS[i]: compile_step(f, device, mode, g), rows=(1,))[0][1]
-                    for i in idx}
-        t = cached_costs({**cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
-                         range(len(GEMMS)), measure, ckpt.CACHE_DIR)
+            return {i: costs.step_costs(model, None, lambda f, g=GEMMS[i]: compile_step(f, device, mode, g),
+                                        rows=(1,))[0][1] for i in idx}
+        t = costs.cached_costs({**costs.cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
+                               range(len(GEMMS)), measure, ckpt.CACHE_DIR)
         gemm = GEMMS[min(range(len(GEMMS)), key=t.get)]
 
     def compiled(fn):

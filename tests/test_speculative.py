@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import costs
 import generate as G
 import heads as H
 import trees as T
@@ -684,22 +685,22 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
     calls = []
     measure = lambda rows: calls.append(rows) or {n: 0.01 * n for n in rows}
     key = dict(machine="m", dtype="torch.bfloat16", heads="/h", weights=[("w.safetensors", 10, 123)])
-    assert G.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08}
-    assert G.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1
-    assert G.cached_costs(key, (8,), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1  # a subset
-    G.cached_costs({**key, "dtype": "torch.float32"}, (1, 8), measure, tmp_path)   # another key: measured again
+    assert costs.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08}
+    assert costs.cached_costs(key, (1, 8), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1
+    assert costs.cached_costs(key, (8,), measure, tmp_path) == {1: 0.01, 8: 0.08} and len(calls) == 1  # a subset
+    costs.cached_costs({**key, "dtype": "torch.float32"}, (1, 8), measure, tmp_path)   # another key: measured again
     assert len(calls) == 2
     # more rows than cached: all of them measured again, in one run, and kept beside the others
-    assert G.cached_costs(key, (1, 2), measure, tmp_path) == {1: 0.01, 2: 0.02, 8: 0.08} and calls[-1] == [1, 2]
-    assert G.cached_costs(key, (1, 2, 8), measure, tmp_path) and len(calls) == 3
+    assert costs.cached_costs(key, (1, 2), measure, tmp_path) == {1: 0.01, 2: 0.02, 8: 0.08} and calls[-1] == [1, 2]
+    assert costs.cached_costs(key, (1, 2, 8), measure, tmp_path) and len(calls) == 3
     # a later run on a host running at half speed: scaled to the first run's units by the size both timed
     slow = lambda rows: calls.append(rows) or {n: 0.02 * n for n in rows}
-    assert G.cached_costs(key, (1, 4), slow, tmp_path, ref=1) == {1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08}
-    assert G.cached_costs({**key, "dtype": "x"}, (1, 4), slow, tmp_path, ref=1) == {1: 0.02, 4: 0.08}  # a new table
+    assert costs.cached_costs(key, (1, 4), slow, tmp_path, ref=1) == {1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08}
+    assert costs.cached_costs({**key, "dtype": "x"}, (1, 4), slow, tmp_path, ref=1) == {1: 0.02, 4: 0.08}  # a new table
     # a size timed between two that the table holds: put on the line through them as its own run timed
     # them (this run's drift is not a plain ratio to the first's: scaled by 4 rows alone, 6 would be 0.0545)
     dear = lambda rows: calls.append(rows) or {n: 0.03 + 0.02 * n for n in rows}
-    got = G.cached_costs(key, (4, 6, 8), dear, tmp_path, ref=(4, 8))
+    got = costs.cached_costs(key, (4, 6, 8), dear, tmp_path, ref=(4, 8))
     assert got == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 6: 0.06, 8: 0.08}) and calls[-1] == [4, 6, 8]
 
 
@@ -711,16 +712,16 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
     model, seen = tiny_model(), []
     monkeypatch.setattr(G, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
     for fastest in G.GEMMS:
-        def step_costs(m, head, compiled, rows=G.ROWS, **k):  # what each choice costs: known here
+        def step_costs(m, head, compiled, rows=costs.ROWS, **k):  # what each choice costs: known here
             compiled(None)
             return {N: 0.01 if seen[-1] == fastest else 0.02 for N in rows}, {}
-        monkeypatch.setattr(G, "step_costs", step_costs)
+        monkeypatch.setattr(costs, "step_costs", step_costs)
         f = G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}")
         assert f.gemm == fastest and set(seen) == set(G.GEMMS)
         seen.clear()
         f(lambda: None)
         assert seen == [fastest]
-        monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the choice was timed again"))
+        monkeypatch.setattr(costs, "step_costs", lambda *a, **k: pytest.fail("the choice was timed again"))
         assert G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}").gemm == fastest
         seen.clear()
     assert G.compiler(model, "cpu", mode="default").gemm is None   # no max-autotune: nothing to choose
@@ -732,7 +733,7 @@ def test_step_costs_compile_any_number_of_row_counts():
     limit of 8 recompiles a code object, in one process, are still timed."""
     model = tiny_model()
     compiled = lambda f: torch.compile(f, backend="eager", fullgraph=True, dynamic=False)  # as compile_step
-    verify = G.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)[0]
+    verify = costs.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)[0]
     assert sorted(verify) == list(range(1, 11)) and all(t > 0 for t in verify.values())
 
 
@@ -753,15 +754,15 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     assert tree is None or (tree and all(p in paths for p in tree))
     assert list((tmp_path / "cache").glob("step-costs-*.json"))
     if tree is not None:  # the size chosen was timed itself, not read between timed sizes
-        verify, _ = G.measured_costs(model, None, folder, "cpu")
+        verify, _ = costs.measured_costs(model, None, folder, "cpu")
         assert G.resolve_tree.choice["nodes"] in verify
-    monkeypatch.setattr(G, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
+    monkeypatch.setattr(costs, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree  # the choice is kept: nothing timed
     assert list((tmp_path / "cache").glob("tree-auto-*.json"))
     if tree is not None:  # the whole steps were timed (eager, real) beside the forwards, and cached
-        verify, _ = G.measured_costs(model, None, folder, "cpu")
+        verify, _ = costs.measured_costs(model, None, folder, "cpu")
         c = G.resolve_tree.choice
-        (o_ar, o_spec), (_, t_draft) = c["overhead"], G.measured_costs(model, head, folder, "cpu", depths=(1, 4))
+        (o_ar, o_spec), (_, t_draft) = c["overhead"], costs.measured_costs(model, head, folder, "cpu", depths=(1, 4))
         assert abs(o_ar) < verify[1] and abs(o_spec) < 5 * verify[1]  # (a tiny model: either sign)
         assert c["speedup"] == pytest.approx(c["tau"] * (verify[1] + o_ar) / (
             T.interpolate(t_draft, c["depth"]) + T.interpolate(verify, c["nodes"]) + o_spec))
@@ -770,7 +771,7 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     other.mkdir()
     (other / "acceptance.json").write_text((folder / "acceptance.json").read_text())
     timed = []
-    monkeypatch.setattr(G, "step_costs", lambda m, h, c, rows=G.ROWS, depths=G.DEPTHS, tree=None, **k:
+    monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, tree=None, **k:
                         timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths},
                                                      {"ar": 2.5e-3, "spec": 9e-3} if tree else {}))
     G.resolve_tree(model, head, other, "auto", "cpu")
@@ -778,13 +779,13 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     # beside one row, or a size it chose between two timed sizes, in the same turns as those two
     assert timed[0] == [1] and all(rows == [1] or len(rows) == 3 and rows[0] < rows[1] < rows[2]
                                    for rows in timed[1:]), timed
-    verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1,))
+    verify, t_draft = costs.measured_costs(model, head, other, "cpu", depths=(1,))
     assert t_draft[1] == pytest.approx(1e-3 * verify[1] / 2e-3)
     c = G.resolve_tree.choice
     if c["paths"] is not None:  # a tree is predicted at its whole step (9 ms beside a 2 ms row, in the tables' units)
-        verify, t_draft = G.measured_costs(model, head, other, "cpu", depths=(1, 4))
+        verify, t_draft = costs.measured_costs(model, head, other, "cpu", depths=(1, 4))
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "fresh")
-        o_ar, o_spec = G.step_overhead(model, head, other, "cpu", None, None, verify, t_draft, c["paths"])
+        o_ar, o_spec = costs.step_overhead(model, head, other, "cpu", None, None, verify, t_draft, c["paths"])
         step = T.interpolate(t_draft, c["depth"]) + T.interpolate(verify, c["nodes"]) + o_spec
         assert step == pytest.approx(9e-3 * verify[1] / 2e-3)
         assert verify[1] + o_ar == pytest.approx(2.5e-3 * verify[1] / 2e-3)
