@@ -450,26 +450,71 @@ at::Tensor argmax(const at::Tensor& x) {
   return y.view(x.sizes().slice(0, x.dim() - 1));
 }
 
-// As SDPA with a bool mask, for a few query rows on AMX tiles (what SDPA's CPU kernel spends on a
-// tree's rows is mostly per-head setup: 13 rows over 576 slots cost it 115 us, this 43; Xeon 167).
-// q [B, H, T, 64]; k, v [B, H_kv, L, 64] (the cache's span); mask bool [T or 1, L] (or with leading
-// 1s). bf16, any strides with the last dim contiguous. Returns y [B, H, T, 64]. A task is 16 query
-// rows of one kv head (its query heads' rows as rows):
+// x [16 lanes: 8 pairs (x0, x1)] rotated by f [the 8 pairs' (cos, sin)], as apply_rotary_emb: x0 cos - x1 sin,
+// x1 cos + x0 sin, each product rounded to fp32, then one subtraction or addition (inductor: no contraction)
+static inline __m512 rope16(__m512 x, __m512 f) {
+  __m512 xc = _mm512_mul_ps(x, _mm512_moveldup_ps(f));
+  __m512 ws = _mm512_mul_ps(_mm512_permute_ps(x, 0xB1), _mm512_movehdup_ps(f));  // (x1 sin, x0 sin)
+  return _mm512_mask_sub_ps(_mm512_add_ps(xc, ws), 0x5555, xc, ws);
+}
+
+// An Attention's work for a few query rows on AMX tiles, from its qkv projection on: q and k rotated
+// (RoPE in interleaved pairs, in fp32, rounded to bf16, as apply_rotary_emb), this call's k and v
+// written into the cache slots pos, then SDPA with a bool mask over the cache's first L slots, the
+// output in the layout wo reads. One op instead of inductor's RoPE loops (scalar over the pairs, 14
+// us a layer for 13 rows) and a copy of the output (what SDPA's CPU kernel spends on a tree's rows is
+// mostly per-head setup: 13 rows over 576 slots cost it 115 us, the attention here 43; Xeon 167).
+// qkv [B, T, (H + 2 H_kv) 64] bf16, last dim contiguous; freqs [T, 32, 2] fp32 (cos, sin); pos [T]
+// int64; k_cache, v_cache [>= B, H_kv, S, 64] bf16, contiguous, written; mask bool [T or 1, L] (or
+// with leading 1s), L <= S. Returns y [B, T, H 64]. A task is 16 query rows of one kv head (its
+// query heads' rows as rows):
 // - scores transposed, S^T [16 keys][16 rows] = K (A tiles, straight from the cache) x q^T (B tiles,
 //   q in pairs of d), each 16 x 16 turned back in registers;
 // - softmax a row at a time in fp32 (as SDPA), the weights unnormalised in bf16, 1/sum kept;
 // - Y [16 rows][64] = P (A tiles, 32 keys each) x V (B tiles: the head's values in pairs of keys,
 //   laid out once per kv head and task run), then scaled by 1/sum.
-at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
-  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), L = k.size(2);
-  for (auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1, "rows_attention: bf16, last dim contiguous");
-  TORCH_CHECK(D == 64, "rows_attention: head_dim 64");
+at::Tensor rows_attention(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& pos,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask, int64_t H) {
   TORCH_CHECK(amx_permitted(), "rows_attention: AMX tiles not permitted");
-  auto m = mask.to(at::kBool).reshape({-1, L}).contiguous();
-  TORCH_CHECK(m.size(0) == T || m.size(0) == 1, "rows_attention: mask [T or 1, L]");
-  int64_t mstride = m.size(0) == 1 ? 0 : L;
-  auto y = at::empty({B, H, T, D}, q.options());
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 3 && qkv.stride(2) == 1, "rows_attention: qkv bf16 [B, T, n], last dim contiguous");
+  for (auto* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 4 && c->size(3) == 64 && c->is_contiguous(), "rows_attention: caches bf16 [B, H_kv, S, 64], contiguous");
+  int64_t B = qkv.size(0), T = qkv.size(1), D = 64, Hk = k_cache.size(1), S = k_cache.size(2), L = mask.size(-1);
+  TORCH_CHECK(qkv.size(2) == (H + 2 * Hk) * D && H % Hk == 0 && k_cache.size(0) >= B && L <= S, "rows_attention: qkv [B, T, (H + 2 H_kv) 64], L <= S");
+  TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == T * D && pos.scalar_type() == at::kLong && pos.numel() == T,
+              "rows_attention: freqs fp32 [T, 32, 2], pos int64 [T]");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && (mask.numel() == T * L || mask.numel() == L), "rows_attention: mask bool [T or 1, L]");
+  // (the checks and no dispatcher calls where the inputs are as the model makes them: each costs about a microsecond)
+  auto contig = [](const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); };
+  auto f = contig(freqs), ps = contig(pos), m = contig(mask);
+  int64_t mstride = m.numel() == L ? 0 : L;
+  auto qr = at::empty({B, H, T, D}, qkv.options());
+  auto y = at::empty({B, T, H * D}, qkv.options());
+  {
+    const uint16_t* xb = (const uint16_t*)qkv.data_ptr<at::BFloat16>();
+    const float* fb = f.data_ptr<float>();
+    const int64_t* pb = ps.data_ptr<int64_t>();
+    uint16_t *qb = (uint16_t*)qr.data_ptr<at::BFloat16>(), *kc = (uint16_t*)k_cache.data_ptr<at::BFloat16>(),
+             *vc = (uint16_t*)v_cache.data_ptr<at::BFloat16>();
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t t = 0; t < T; t++) {
+        TORCH_CHECK(pb[t] >= 0 && pb[t] < S, "rows_attention: cache slot out of range");
+        const uint16_t* x = xb + b * qkv.stride(0) + t * qkv.stride(1);
+        for (int64_t hh = 0; hh < H + 2 * Hk; hh++) {
+          int64_t kv = hh - H - (hh >= H + Hk ? Hk : 0);
+          uint16_t* out = hh < H ? qb + ((b * H + hh) * T + t) * D
+                                 : (hh < H + Hk ? kc : vc) + ((b * Hk + kv) * S + pb[t]) * D;
+          for (int j = 0; j < 4; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + hh * D + 16 * j));
+            if (hh < H + Hk)
+              xv = (__m256i)_mm512_cvtneps_pbh(rope16(widen_bf16(xv), _mm512_loadu_ps(fb + t * D + 16 * j)));
+            _mm256_storeu_si256((__m256i*)(out + 16 * j), xv);
+          }
+        }
+      }
+  }
+  const at::Tensor& q = qr;
+  const at::Tensor &k = k_cache, &v = v_cache;  // their first L slots
   int64_t G = H / Hk, R = G * T, NP = (R + 15) / 16, Jp = (L + 31) / 32 * 32;
   auto base = [](const at::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); };
   const uint16_t *qb = base(q), *kb = base(k), *vb = base(v);
@@ -578,7 +623,7 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       _tile_stored(7, &yt[0][48], 256);
       for (int l = 0; l < nq; l++) {
         int64_t r = 16 * p + l, g = r / T, t = r % T;
-        uint16_t* yr = yb + ((b * H + h * G + g) * T + t) * D;
+        uint16_t* yr = yb + ((b * T + t) * H + h * G + g) * D;
         __m512 s = _mm512_set1_ps(inv[l]);
         for (int db = 0; db < 4; db++)
           _mm256_storeu_si256((__m256i*)(yr + 16 * db), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&yt[l][16 * db]), s)));
@@ -592,7 +637,7 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 TORCH_LIBRARY(treespec, m) {
   m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
-  m.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
+  m.def("rows_attention(Tensor qkv, Tensor freqs, Tensor pos, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor mask, int n_head) -> Tensor");
   // b without a default: compiled with cpp_wrapper, torch 2.13 hands over only the arguments given
   m.def("tiles_linear(Tensor x, Tensor wp, Tensor? b) -> Tensor");
   m.def("tiles_glu(Tensor x, Tensor wp) -> Tensor");

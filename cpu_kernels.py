@@ -17,7 +17,7 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
   and oneDNN, and a tree's rows cost within 6-9% of one row (docs/speed.md).
 - tiles_glu (with AMX): a SwiGLU's gate and up projections and silu(gate) * up in one op (pack_glu).
 - rows_attention (with AMX): tree_attention's job on AMX tiles, over the tree mask gathered into the
-  cache slots (Transformer.tree_sdpa).
+  cache slots (Transformer.tree_sdpa), with the RoPE and cache writes before it.
 - argmax (both): the greedy token of each row (trees.argmax), each thread over the columns that its
   core's lm_head wrote.
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Attention, FeedForward, tree_attention
+from model import Attention, FeedForward, KVCache, tree_attention
 
 
 # the row counts given to rows_linear (a static shape, so chosen when traced): compiled base forward
@@ -79,7 +79,7 @@ def build() -> bool:
                 lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
             torch.library.register_fake("treespec::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
             torch.library.register_fake("treespec::rows_attention")(
-                lambda q, k, v, mask: torch.empty_like(q, memory_format=torch.contiguous_format))
+                lambda qkv, freqs, pos, k_cache, v_cache, mask, n_head: qkv.new_empty(*qkv.shape[:2], 64 * n_head))
             _built = True
         except Exception as e:
             print(f"note: the CPU kernels did not build ({str(e).splitlines()[0][:120]}); "
@@ -151,13 +151,15 @@ MAX_TILE_ROWS = 64  # a tree's rows; prefill's many stay SDPA's
 
 class TileAttention(Attention):
     """Attention whose bf16 attention of a tree's rows (up to MAX_TILE_ROWS, head_dim 64, one mask
-    for the batch) is the rows_attention kernel on AMX tiles."""
+    for the batch, a KVCache) is the rows_attention kernel on AMX tiles, RoPE and the cache writes in it."""
 
-    def rows_attention(self, q, k, v, mask):
-        if (q.dtype == torch.bfloat16 and q.shape[-1] == 64 and q.shape[2] <= MAX_TILE_ROWS
-                and mask.dtype == torch.bool and mask.shape[:-1].numel() in (1, q.shape[2])):
-            return torch.ops.treespec.rows_attention(q, k, v, mask)
-        return super().rows_attention(q, k, v, mask)
+    def rows_attention(self, qkv, freqs_cis, mask, cache_pos):
+        T = qkv.shape[1]
+        if (qkv.dtype == torch.bfloat16 and self.head_dim == 64 and T <= MAX_TILE_ROWS and type(self.kv_cache) is KVCache
+                and mask.dtype == torch.bool and mask.shape[:-1].numel() in (1, T)):
+            c = self.kv_cache
+            return torch.ops.treespec.rows_attention(qkv, freqs_cis, cache_pos, c.k_cache, c.v_cache, mask, self.n_head)
+        return super().rows_attention(qkv, freqs_cis, mask, cache_pos)
 
 
 def install(model: nn.Module, device, dtype) -> nn.Module:

@@ -156,21 +156,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor,
                 tree_mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
-        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
-        k = apply_rotary_emb(k.view(B, T, self.n_kv_head, self.head_dim), freqs_cis)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        k_new, v_new = k, v
-        k, v = self.kv_cache.update(cache_pos, k, v)
-        L = mask.shape[-1]  # the live slots: attention costs what the prefix costs, not the static cache
-        k, v = k[:, :, :L], v[:, :, :L]  # [B, H_kv, L, D]
+        qkv = self.wqkv(x)
+        if T > 1 and tree_mask is None:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
+            return self.wo(self.rows_attention(qkv, freqs_cis, mask, cache_pos))
+        q, k, v, k_new, v_new = self.cached(qkv, freqs_cis, mask, cache_pos)
         if tree_mask is not None:
             y = self.tree_attention(q, k, v, k_new, v_new, mask, tree_mask)
-            return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
-        if T > 1:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
-            y = self.rows_attention(q, k, v, mask)
-            return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))
         # One new token: the G query heads that share a kv head go in as one head of G rows; the CPU
         # kernel otherwise multiplies one row at a time (per layer at batch 64, 768 slots: 81 -> 19 ms)
         G = self.n_head // self.n_kv_head
@@ -184,11 +176,29 @@ class Attention(nn.Module):
             y = (p[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
-        return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_size))
+        return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
-    def rows_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        # (cpu_kernels.TileAttention: a kernel on AMX tiles for a tree's rows in bf16)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
+    def cached(self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor):
+        """q and k rotated, this call's k and v written into the cache slots cache_pos. Returns q
+        [B, H, T, D], the cache's first L = mask.shape[-1] slots k, v [B, H_kv, L, D] and this call's
+        k_new, v_new [B, H_kv, T, D]."""
+        B, T, _ = qkv.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
+        k = apply_rotary_emb(k.view(B, T, self.n_kv_head, self.head_dim), freqs_cis)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        k_new, v_new = k, v
+        k, v = self.kv_cache.update(cache_pos, k, v)
+        L = mask.shape[-1]  # the live slots: attention costs what the prefix costs, not the static cache
+        return q, k[:, :, :L], v[:, :, :L], k_new, v_new
+
+    def rows_attention(self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor) -> Tensor:
+        """Rows (qkv [B, T, ...]) over a bool mask [.., T or 1, L]. Returns [B, T, H * D].
+        (cpu_kernels.TileAttention: one kernel on AMX tiles for a tree's rows in bf16)"""
+        q, k, v, _, _ = self.cached(qkv, freqs_cis, mask, cache_pos)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
+        return y.transpose(1, 2).reshape(*qkv.shape[:2], -1)
 
     def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4)
         return tree_attention(*args)

@@ -1,6 +1,6 @@
 """The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
 row count (their blocks and tails), tiles_glu is the compiled SwiGLU's silu(gate) * up,
-tree_attention is model.tree_attention, rows_attention is SDPA, install swaps what it should (once),
+tree_attention is model.tree_attention, rows_attention is RoPE, the cache writes and SDPA, install swaps what it should (once),
 argmax is torch's, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import cpu_kernels as ck
 import generate as G
-from model import Attention, FeedForward, ModelArgs, Transformer, tree_attention
+from model import Attention, FeedForward, KVCache, ModelArgs, Transformer, precompute_freqs_cis, tree_attention
 
 zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
                           reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
@@ -83,25 +83,34 @@ def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
 @amx
 @pytest.mark.parametrize("B,H,H_kv,T,L,P", [(1, 9, 3, 13, 576, 563), (1, 9, 3, 16, 300, 250), (2, 4, 2, 5, 67, 40),
                                            (1, 9, 3, 1, 9, 8), (1, 3, 3, 64, 100, 36)])
-def test_rows_attention_kernel_is_sdpa(B, H, H_kv, T, L, P):
-    """As the model hands them over (q transposed, k and v a slice of the cache, a tree mask gathered
-    into the slots after P prefix slots, some slots shut to all): against SDPA in fp32 on the same bf16
-    values, as close as SDPA in bf16; a [1, L] mask as well."""
+def test_rows_attention_kernel_is_rope_cache_and_sdpa(B, H, H_kv, T, L, P):
+    """As TileAttention hands them over (qkv, the rows' RoPE frequencies, their cache slots after P,
+    a tree mask gathered into those slots, some slots shut to all): the caches get bit for bit what
+    Attention.cached writes; y is SDPA in fp32 over its q and the cache, as close as SDPA in bf16; a
+    [1, L] mask as well."""
     assert ck.build()
     g = torch.Generator().manual_seed(T * H + L)
-    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()
-    q = bf(B, T, H, 64).transpose(1, 2)
-    k, v = bf(B, H_kv, L + 7, 64)[:, :, :L], bf(B, H_kv, L + 7, 64)[:, :, :L]
+    a = Attention(ModelArgs(dim=64 * H, n_head=H, n_kv_head=H_kv))
+    a.kv_cache = KVCache(B, H_kv, L + 6, 64, torch.bfloat16)
+    for c in (a.kv_cache.k_cache, a.kv_cache.v_cache):
+        c.copy_(torch.randn(c.shape, generator=g))
+    qkv = torch.randn(B, T, (H + 2 * H_kv) * 64, generator=g).bfloat16()
+    pos = P + torch.arange(T)
+    freqs = precompute_freqs_cis(ModelArgs(), L + 7)[pos]
     tree = ((torch.rand(T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool)).tril()
     mask = torch.zeros(T, L, dtype=torch.bool)
     mask[:, :P - 5] = True
     mask[:, P:P + T] = tree
     for m in (mask[None, None], mask[:1]):
-        y = torch.ops.treespec.rows_attention(q, k, v, m)
+        k_cache, v_cache = a.kv_cache.k_cache.clone(), a.kv_cache.v_cache.clone()
+        y = torch.ops.treespec.rows_attention(qkv, freqs, pos, k_cache, v_cache, m, H)
+        q, k, v, _, _ = a.cached(qkv, freqs, m, pos)
+        assert torch.equal(k_cache, a.kv_cache.k_cache) and torch.equal(v_cache, a.kv_cache.v_cache)
         m4 = m.view(1, 1, -1, L)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m4, enable_gqa=True)
         in_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=m4, enable_gqa=True)
-        assert y.shape == (B, H, T, 64) and y.dtype == torch.bfloat16
+        ref, in_bf16 = (t.transpose(1, 2).reshape(B, T, H * 64) for t in (ref, in_bf16))
+        assert y.shape == (B, T, H * 64) and y.dtype == torch.bfloat16
         err, err_bf16 = (y.float() - ref).abs().max(), (in_bf16.float() - ref).abs().max()
         assert err <= max(err_bf16, 2 ** -8 * ref.abs().max()), (err, err_bf16)
 
@@ -131,7 +140,7 @@ def test_tiles_glu_is_silu_gate_times_up(K):
 def test_install_with_tiles_swaps_linears_and_attention():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 48, bias=False),
-                      Attention(ModelArgs(dim=128, n_head=2)))
+                      Attention(ModelArgs(dim=128, n_head=2, n_kv_head=1)))
     w0 = m[0].weight
     ck.install(m.bfloat16(), "cpu", torch.bfloat16)
     # N not a multiple of the kernel's 32 columns: left as it is
@@ -154,10 +163,14 @@ def test_install_with_tiles_swaps_linears_and_attention():
     assert torch.equal(f(x), f.w2(torch.ops.treespec.tiles_glu(x, ck.pack_glu(f.w1.weight, f.w3.weight))))
     x = torch.randn(ck.MAX_TILE_ROWS + 1, 64).bfloat16()  # prefill: torch's kernels
     assert torch.equal(f(x), f.w2(F.silu(F.linear(x, f.w1.weight)) * F.linear(x, f.w3.weight)))
-    a = m[3]
-    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (ck.MAX_TILE_ROWS + 1, 80, 80))
-    mask = torch.ones(1, 1, ck.MAX_TILE_ROWS + 1, 80, dtype=torch.bool)
-    assert torch.equal(a.rows_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    a = m[3]  # rows past MAX_TILE_ROWS: Attention's rows_attention (RoPE, the cache, SDPA), bit for bit
+    a.kv_cache = KVCache(1, 1, 80, 64, torch.bfloat16)
+    T = ck.MAX_TILE_ROWS + 1
+    qkv, freqs, pos = torch.randn(1, T, 256).bfloat16(), precompute_freqs_cis(ModelArgs(), T), torch.arange(T)
+    mask = torch.ones(1, 1, T, 80, dtype=torch.bool).tril()
+    y = a.rows_attention(qkv, freqs, mask, pos)
+    k = a.kv_cache.k_cache.clone()
+    assert torch.equal(y, Attention.rows_attention(a, qkv, freqs, mask, pos)) and torch.equal(k, a.kv_cache.k_cache)
 
 
 @amx
