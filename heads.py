@@ -73,11 +73,15 @@ def note_context(head, base, tokens: Tensor, valid: Optional[Tensor] = None, res
     if reset:
         head.known.copy_(head.in_draft)
         head.ctx_n.zero_()
-    V = head.known.shape[0] - 1
-    s, order = tokens.sort(stable=True)                           # first occurrences: O(T log T), no [V] buffer
-    first = torch.empty_like(tokens, dtype=torch.bool).scatter_(0, order, torch.cat([s[:1] >= 0, s[1:] != s[:-1]]))
+    V, T = head.known.shape[0] - 1, tokens.shape[0]
+    if T <= 64:  # a step's few tokens, pairwise, which inductor fuses (a sort and a cumsum: aten calls, 60 us a step)
+        upto = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()    # [i, j]: j <= i
+        first = ~((tokens[:, None] == tokens[None, :]) & upto.tril(-1)).any(1) & (tokens >= 0)
+    else:  # a prompt's first occurrences: O(T log T), no [V] buffer
+        s, order = tokens.sort(stable=True)
+        first = torch.empty_like(tokens, dtype=torch.bool).scatter_(0, order, torch.cat([s[:1] >= 0, s[1:] != s[:-1]]))
     new = ~head.known[tokens] & first & (True if valid is None else valid)
-    slot = head.ctx_n + new.cumsum(0) - 1
+    slot = head.ctx_n + ((new[None, :] & upto).sum(1) if T <= 64 else new.cumsum(0)) - 1
     new &= slot < CTX
     slot = torch.where(new, slot, CTX)                            # the rest go to the sinks
     head.ctx_ids.index_copy_(0, slot, tokens)
