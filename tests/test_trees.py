@@ -162,6 +162,13 @@ def greedy_reference(logits, draft, retrieve):
 
 
 @FAST
+@given(st.integers(1, 6), st.integers(0, 8), st.integers(0, 2**31))
+def test_all_before_is_a_cumulative_and(L, D, seed):
+    ok = torch.rand(L, D, generator=torch.Generator().manual_seed(seed)) < 0.7
+    assert torch.equal(T.all_before(ok), ok.long().cumprod(1) > 0)
+
+
+@FAST
 @given(parent_arrays(), st.integers(2, 5), st.sampled_from(["random", "none", "all"]),
        st.booleans(), st.integers(0, 2**31))
 def test_greedy_accept_bruteforce(parents, vocab, mode, per_node_rows, seed):
