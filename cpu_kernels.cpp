@@ -450,6 +450,46 @@ at::Tensor argmax(const at::Tensor& x) {
   return y.view(x.sizes().slice(0, x.dim() - 1));
 }
 
+// x [..., V] bf16 -> [..., k] int64: the indices of each row's k largest, largest first, the earlier
+// first among equals (torch.sort(stable=True, descending=True)'s first k; NaNs passed over). A draft's
+// few choices over its vocab: one pass that keeps the k best in order, each 16 columns compared at
+// once with the k-th (torch's CPU topk copies the row into (value, index) pairs and sorts them: 41 us
+// a call over 8,192 in a tree step, 3 calls a step for EAGLE).
+at::Tensor topk(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && k >= 1 && k <= 64
+              && k <= x.size(-1), "topk: bf16 [..., V], V a multiple of 16, 1 <= k <= min(V, 64)");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), V = xs.size(1);
+  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
+  auto y = at::empty({M, k}, x.options().dtype(at::kLong));
+  auto yp = y.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; m++) {
+    float val[64];
+    int64_t* idx = yp + m * k;
+    int64_t n = 0;
+    alignas(64) float lane[16];
+    for (int64_t c = 0; c < V; c += 16) {
+      __m512 v = load_bf16(xp + m * V + c);
+      __mmask16 in = n < k ? _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(val[k - 1]), _CMP_GT_OQ);
+      if (!in) continue;
+      _mm512_store_ps(lane, v);
+      for (; in; in &= in - 1) {
+        int j = __builtin_ctz(in);
+        float u = lane[j];
+        int64_t p;
+        if (n < k) p = n++;
+        else if (u > val[k - 1]) p = k - 1;  // (the k-th may have risen since the compare)
+        else continue;
+        for (; p > 0 && val[p - 1] < u; p--) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; }
+        val[p] = u;
+        idx[p] = c + j;
+      }
+    }
+    for (; n < k; n++) idx[n] = 0;  // fewer than k values that are not NaN
+  }
+  return y.view([&] { auto s = x.sizes().vec(); s.back() = k; return s; }());
+}
+
 // x [16 lanes: 8 pairs (x0, x1)] rotated by f [the 8 pairs' (cos, sin)], as apply_rotary_emb: x0 cos - x1 sin,
 // x1 cos + x0 sin, each product rounded to fp32, then one subtraction or addition (inductor: no contraction)
 static inline __m512 rope16(__m512 x, __m512 f) {
@@ -464,19 +504,20 @@ static inline __m512 rope16(__m512 x, __m512 f) {
 // output in the layout wo reads. One op instead of inductor's RoPE loops (scalar over the pairs, 14
 // us a layer for 13 rows) and a copy of the output (what SDPA's CPU kernel spends on a tree's rows is
 // mostly per-head setup: 13 rows over 576 slots cost it 115 us, the attention here 43; Xeon 167).
-// qkv [B, T, (H + 2 H_kv) 64] bf16, last dim contiguous; freqs [T, 32, 2] fp32 (cos, sin); pos [T]
-// int64; k_cache, v_cache [>= B, H_kv, S, 64] bf16, contiguous, written; mask bool [T or 1, L] (or
-// with leading 1s), L <= S. Returns y [B, T, H 64]. A task is 16 query rows of one kv head (its
+// qkv [B, T, (H + 2 H_kv) 64] bf16; freqs [T, 32, 2] fp32 (cos, sin); pos [T] int64; mask bool
+// [T or 1, L] (or with leading 1s), L <= S; these in any strides; k_cache, v_cache [>= B, H_kv, S,
+// 64] bf16, contiguous, written. Returns y [B, T, H 64]. A task is 16 query rows of one kv head (its
 // query heads' rows as rows):
 // - scores transposed, S^T [16 keys][16 rows] = K (A tiles, straight from the cache) x q^T (B tiles,
 //   q in pairs of d), each 16 x 16 turned back in registers;
 // - softmax a row at a time in fp32 (as SDPA), the weights unnormalised in bf16, 1/sum kept;
 // - Y [16 rows][64] = P (A tiles, 32 keys each) x V (B tiles: the head's values in pairs of keys,
 //   laid out once per kv head and task run), then scaled by 1/sum.
-at::Tensor rows_attention(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& pos,
+at::Tensor rows_attention(const at::Tensor& qkv_in, const at::Tensor& freqs, const at::Tensor& pos,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask, int64_t H) {
   TORCH_CHECK(amx_permitted(), "rows_attention: AMX tiles not permitted");
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 3 && qkv.stride(2) == 1, "rows_attention: qkv bf16 [B, T, n], last dim contiguous");
+  TORCH_CHECK(qkv_in.scalar_type() == at::kBFloat16 && qkv_in.dim() == 3, "rows_attention: qkv bf16 [B, T, n]");
+  const at::Tensor qkv = qkv_in.stride(2) == 1 ? qkv_in : qkv_in.contiguous();
   for (auto* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 4 && c->size(3) == 64 && c->is_contiguous(), "rows_attention: caches bf16 [B, H_kv, S, 64], contiguous");
   int64_t B = qkv.size(0), T = qkv.size(1), D = 64, Hk = k_cache.size(1), S = k_cache.size(2), L = mask.size(-1);
@@ -637,11 +678,16 @@ at::Tensor rows_attention(const at::Tensor& qkv, const at::Tensor& freqs, const 
 TORCH_LIBRARY(treespec, m) {
   m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
-  m.def("rows_attention(Tensor qkv, Tensor freqs, Tensor pos, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor mask, int n_head) -> Tensor");
+  // flexible_layout: the op takes its inputs in any strides, so inductor hands every layer the one
+  // buffer of the step's mask, positions and RoPE rows; with torch 2.13's default for custom ops
+  // (their traced strides exactly) it wrote a copy of each for each of the 30 layers (76 us a step)
+  m.def("rows_attention(Tensor qkv, Tensor freqs, Tensor pos, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor mask, int n_head) -> Tensor",
+        {at::Tag::flexible_layout});
   // b without a default: compiled with cpp_wrapper, torch 2.13 hands over only the arguments given
   m.def("tiles_linear(Tensor x, Tensor wp, Tensor? b) -> Tensor");
   m.def("tiles_glu(Tensor x, Tensor wp) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("topk(Tensor x, int k) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("rows_linear", &rows_linear);
@@ -650,4 +696,5 @@ TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("tiles_linear", &tiles_linear);
   m.impl("tiles_glu", &tiles_glu);
   m.impl("argmax", &argmax);
+  m.impl("topk", &topk);
 }

@@ -78,6 +78,7 @@ def build() -> bool:
             torch.library.register_fake("treespec::tiles_glu")(
                 lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
             torch.library.register_fake("treespec::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
+            torch.library.register_fake("treespec::topk")(lambda x, k: x.new_empty(*x.shape[:-1], k, dtype=torch.long))
             torch.library.register_fake("treespec::rows_attention")(
                 lambda qkv, freqs, pos, k_cache, v_cache, mask, n_head: qkv.new_empty(*qkv.shape[:2], 64 * n_head))
             _built = True

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import cpu_kernels
 from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
-from trees import Tree, dynamic_select, tree_buffers
+from trees import Tree, dynamic_select, top_indices, tree_buffers
 
 
 class HeadError(ValueError):
@@ -430,7 +430,7 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P, L=None):
     logits, state = head.begin(base, h, next_tokens, n, P, L)    # [1, V], [1, *]
     out = [root]
     for d in range(1, D + 1):
-        top = logits.topk(plan.topk[d], dim=-1).indices           # [rows or 1, topk]
+        top = top_indices(logits, plan.topk[d])                   # [rows or 1, topk]
         rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
         tokens = token_ids(head, top[rows, plan.child_choice[d]])  # [n_d]
         out += [tokens, chain[d - 1:d]] if plan.lookup else [tokens]

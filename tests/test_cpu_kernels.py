@@ -212,6 +212,31 @@ def test_argmax_op_is_torchs_first_maximum():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)),
+                    reason="the kernels are for CPUs with AVX-512 bf16")
+def test_topk_op_is_a_stable_sorts_first_k():
+    """treespec::topk, which trees.top_indices calls for a draft's bf16 logits: the first k of a stable
+    descending sort (the earlier index first among equals), for rows of few distinct values (ties
+    across the 16-column chunks), of -inf, and with NaNs (passed over; fewer than k others: index 0)."""
+    import trees as T
+    assert ck.build()
+    g = torch.Generator().manual_seed(0)
+    for rows, V in [(1, 16), (2, 8192), (5, 112), (1, 49152)]:
+        for k in (1, 2, 5, 16, 64):
+            if k > V:
+                continue
+            for x in (torch.randint(0, 4, (rows, V), generator=g).bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
+                x[0, ::3] = -float("inf")
+                x[-1, 1::7] = float("nan")
+                if k > x.isfinite().sum(-1).min():  # (a NaN sorts among the -infs here, the op passes it over)
+                    continue
+                ref = torch.sort(x.float().nan_to_num(nan=-float("inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+                assert torch.equal(torch.ops.treespec.topk(x, k), ref) and torch.equal(T.top_indices(x, k), ref)
+                assert torch.equal(torch.ops.treespec.topk(x[None], k), ref[None])
+    x = torch.tensor([[float("nan")] * 14 + [1.0, 2.0]]).bfloat16()
+    assert torch.ops.treespec.topk(x, 3).tolist() == [[15, 14, 0]]
+
+
 @zen4
 def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_thread):
     torch.manual_seed(0)
