@@ -33,7 +33,7 @@ import generate as G
 from checkpoint import default_checkpoint, load_model
 from distill import read_prompts
 from heads import WithLookup, load_heads, static_plan
-from trees import best_paths, load_tree, step_counts
+from trees import best_paths, load_tree, split_chain, step_counts
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"  # evaluation only
 PROMPT = "Write a short story about a robot who learns to paint. Make it about three paragraphs long."
@@ -224,7 +224,7 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
         for ids in tqdm(texts, desc="decoding the prompts with a big tree", unit="prompt", file=sys.stderr):
             first, state = G.start(model, head, torch.tensor(ids, device=dev), depth, dict(temperature=0.0))
             G.decode(step, state, first, n, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
-    return dict(prompts=len(texts), **step_counts(observed, paths, head.ngram.n if lookup else 0))
+    return dict(prompts=len(texts), **step_counts(observed, split_chain(paths)[0], head.ngram.n if lookup else 0))
 
 
 def main():
@@ -439,7 +439,8 @@ def run(args):
 
 def measure_acceptance(args, model, tok, head):
     """--acceptance: step_acceptance on a tree of the head's 64 most frequent held-out paths (Medusa's
-    mc_sim_7b_63 without them), kept as acceptance.json's "step" beside the held-out counts."""
+    mc_sim_7b_63 without them) and a lookup chain 8 deep (how deep `auto` may then make its chain),
+    kept as acceptance.json's "step" beside the held-out counts."""
     path = Path(args.heads) / "acceptance.json"
     if not Path(args.heads).is_dir():
         raise ValueError(f"--acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
@@ -449,7 +450,8 @@ def measure_acceptance(args, model, tok, head):
     paths = best_paths({tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}, 64, limit) if "paths" in acc \
         else [p for p in load_tree("mc_sim_7b_63") if not limit or len(p) <= limit]
     t0 = time.perf_counter()
-    step = step_acceptance(model, tok, head, paths, args.acceptance, args.max_new_tokens, args.max_prompt)
+    chain = [[-1] + [0] * 7] if isinstance(head, WithLookup) else []
+    step = step_acceptance(model, tok, head, paths + chain, args.acceptance, args.max_new_tokens, args.max_prompt)
     acc["step"] = dict(source=Path(args.acceptance).name, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                        checkpoint=args.checkpoint or "default", date=datetime.date.today().isoformat(), **step)
     path.write_text(json.dumps(acc) + "\n")

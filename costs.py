@@ -17,7 +17,7 @@ from tqdm import tqdm
 import checkpoint as ckpt
 import generate as G
 from heads import WithLookup, draft_static, plan_to, static_plan
-from trees import choose_tree, interpolate
+from trees import choose_tree, interpolate, split_chain
 
 # tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
 # CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
@@ -196,7 +196,8 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
     steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on Spec-Bench.)
     Timed once per tree (cached)."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
-    depth, nodes = max(len(p) for p in paths), static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
+    depth = max(len(p) for p in split_chain(paths)[0])  # the head's draft levels (a lookup chain drafts none)
+    nodes = static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
 
     def measure(_):
         verify, _, step = step_costs(model, head, compiled, rows=(1,), depths=(), tree=paths)

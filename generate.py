@@ -112,7 +112,8 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
                 top_p=1.0, posterior_threshold=0.09, posterior_alpha=0.3):
     """The draft and accept functions of a speculative step, fixed once.
     tree: a tree name, JSON file or list of index paths (static); dynamic: (top_k, depth, total_tokens) for EAGLE-2 trees.
-    A WithLookup head adds its prompt-lookup chain (as deep as the tree) to either.
+    A WithLookup head adds its prompt-lookup chain to either (as deep as the tree, or as a static
+    tree's path [-1, 0, ...] says).
     Returns (draft, accept, depth, tree_nodes, head_scratch): the last two size the caches."""
     device = model.output.weight.device
     lookup = isinstance(head, WithLookup)
@@ -122,16 +123,16 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
         if not (k >= 1 and depth >= 1 and 2 <= total <= pool + 1):
             raise ValueError(f"dynamic tree needs --top_k >= 1, --depth >= 1 and 2 <= --total_tokens <= "
                              f"{pool + 1} (top_k + (depth-1) * top_k^2 + 1)")
-        nodes, scratch = total + (depth if lookup else 0), pool + 1
+        nodes, scratch, levels = total + (depth if lookup else 0), pool + 1, depth
         draft = lambda h, t, n, P, L=None: draft_dynamic(head, model, h, t, n, P, k, depth, total, L)
     else:
         plan = plan_to(static_plan(tree if isinstance(tree, list) else load_tree(tree), lookup), device)
-        depth, nodes = plan.tree.depth, plan.tree.num_nodes
+        depth, nodes, levels = plan.tree.depth, plan.tree.num_nodes, len(plan.topk) - 1
         scratch = nodes
         draft = lambda h, t, n, P, L=None: draft_static(head, model, plan, h, t, n, P, L)
     inner = head.head if lookup else head
-    if getattr(inner, "num_heads", depth) < depth:
-        raise ValueError(f"the tree is {depth} deep but the head has only {inner.num_heads} heads: use a shallower tree")
+    if getattr(inner, "num_heads", levels) < levels:
+        raise ValueError(f"the tree is {levels} deep but the head has only {inner.num_heads} heads: use a shallower tree")
     if acceptance == "greedy" or temperature == 0:
         accept = lambda logits, d, tr: greedy_accept(logits, d, tr.retrieve_indices)
     elif acceptance == "typical":
@@ -161,7 +162,9 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
         near = f" (the best tree, {best['nodes']} nodes, {best['speedup']:.2f}x)" if best else ""
         print(f"--tree auto: plain autoregressive decoding is predicted fastest here{near}", file=sys.stderr)
         return None
-    print(f"--tree auto: {len(choice['paths'])} paths, {choice['nodes']} verified nodes, {choice['depth']} deep; "
+    chain = f", a lookup chain {choice['chain']} deep" if choice.get("chain") else ""
+    print(f"--tree auto: {sum(p[0] >= 0 for p in choice['paths'])} paths, {choice['nodes']} verified nodes, "
+          f"{choice['depth']} deep{chain}; "
           f"expected tau {choice['tau']:.2f}, predicted {choice['speedup']:.2f}x over autoregressive decoding",
           file=sys.stderr)
     return choice["paths"]
@@ -339,7 +342,8 @@ def main(argv=None):
     s.add_argument("--heads", default=None, help="draft heads: a Medusa, Hydra or EAGLE folder or hub id")
     s.add_argument("--head_type", choices=["medusa", "hydra", "eagle"], default=None, help="default: from the checkpoint")
     s.add_argument("--tree", default="auto", help="static tree: a name (mc_sim_7b_63, tree16, chain4...), a JSON file "
-                   "of index paths, or auto: the fastest tree here (or plain decoding) from the head's measured "
+                   "of index paths (with --lookup, a path [-1, 0, ..., 0] sets the lookup chain's depth), "
+                   "or auto: the fastest tree here (or plain decoding) from the head's measured "
                    "acceptance and this machine's step costs, timed once and cached")
     s.add_argument("--dynamic_tree", action="store_true", help="EAGLE-2 dynamic tree (--top_k, --depth, --total_tokens)")
     s.add_argument("--lookup", type=int, default=0, metavar="N", help="add a prompt-lookup branch (matching up to "

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import cpu_kernels
 from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
-from trees import Tree, dynamic_select, top_indices, tree_buffers
+from trees import Tree, dynamic_select, split_chain, top_indices, tree_buffers
 
 
 class HeadError(ValueError):
@@ -352,23 +352,28 @@ class StaticPlan:
     expand_nodes: list       # per depth d >= 1: [F_d] nodes at depth d that have children
     expand_parent_row: list  # per depth d >= 1: [F_d] their parents' rows among the expanded rows of d-1
     expand_offset: list      # per depth d >= 1: [F_d] their index among the nodes of depth d
-    lookup: bool = False     # the last node of every depth is the prompt-lookup chain's (WithLookup)
+    lookup: int = 0          # the prompt-lookup chain's depth (WithLookup): its node is the last of those depths
     paths: tuple = ()        # each node's index path, root () first; the lookup chain's start past every head choice
 
 
 def static_plan(paths: list, lookup: bool = False) -> StaticPlan:
     """paths: Medusa-style index paths; a node at depth d takes choice path[-1] of its parent's top-k.
-    lookup: add a chain from the root, as deep as the tree, for WithLookup's proposal."""
+    lookup: add a chain from the root for WithLookup's proposal, as deep as the path [-1, 0, ...] in
+    paths says (trees.split_chain), else as deep as the tree."""
+    paths, C = split_chain([list(p) for p in paths])
+    if C and not lookup:
+        raise ValueError("the tree names a prompt-lookup chain (a path [-1, ...]): give --lookup N, or drop it")
     paths = [tuple(p) for p in paths]
     depth = max(map(len, paths), default=0)
     c = max((p[0] for p in paths), default=-1) + 1     # a choice no head node takes: sorts last at every depth
-    chain = [(c,) + (0,) * k for k in range(depth)] if lookup else []
+    lookup = (C or depth) if lookup else 0
+    chain = [(c,) + (0,) * k for k in range(lookup)]
     tree = tree_buffers(paths + chain)
     paths = [()] + sorted(paths + chain, key=lambda p: (len(p), p))  # tree_buffers' node order
     node = {p: i for i, p in enumerate(paths)}
     plan = StaticPlan(tree, [None], [None], [None], [None], [None], [None], lookup, tuple(paths))
     rows = [()]  # the expanded nodes of the previous depth, in row order
-    for d in range(1, tree.depth + 1):
+    for d in range(1, depth + 1):
         nodes = [p for p in paths if len(p) == d and p not in chain]
         parents_of = {p[:-1] for p in paths if len(p) == d + 1}
         plan.child_parent_row.append(torch.tensor([rows.index(p[:-1]) for p in nodes]))
@@ -420,25 +425,25 @@ def head_slots(L, D: int, M: int):
 def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P, L=None):
     """Tokens for every node of a fixed tree. L: the base's live cache slots (None: all).
     Returns (draft_tokens [N], tree)."""
-    tree, D = plan.tree, plan.tree.depth
+    tree, D, depth = plan.tree, plan.tree.depth, len(plan.topk) - 1  # the tree's depth, the head's
     L = head_slots(L, D, tree.num_nodes)
     root = last_row(next_tokens, n)                               # [1]
     if plan.lookup:
-        chain = lookup_chain(head, base, h, next_tokens, n, P, D, L)  # [D]
+        chain = lookup_chain(head, base, h, next_tokens, n, P, plan.lookup, L)  # [C]
         head = head.head
     note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
     logits, state = head.begin(base, h, next_tokens, n, P, L)    # [1, V], [1, *]
     out = [root]
-    for d in range(1, D + 1):
+    for d in range(1, depth + 1):
         top = top_indices(logits, plan.topk[d])                   # [rows or 1, topk]
         rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
         tokens = token_ids(head, top[rows, plan.child_choice[d]])  # [n_d]
-        out += [tokens, chain[d - 1:d]] if plan.lookup else [tokens]
-        if d < D:
+        out += [tokens, chain[d - 1:d]] if plan.lookup >= d else [tokens]
+        if d < depth:
             nodes = plan.expand_nodes[d]
             attn = draft_attn(head, P, n, d, D, nodes, tree.tree_mask[nodes], L)
             logits, state = head.expand(base, d, state[plan.expand_parent_row[d]], tokens[plan.expand_offset[d]], attn)
-    return torch.cat(out), tree
+    return torch.cat(out + [chain[depth:]] if plan.lookup > depth else out), tree  # the chain past the head's depth
 
 
 def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, total_tokens: int, L=None):

@@ -63,8 +63,19 @@ class Tree:
         return Tree(**{k: v if v is None else v.to(device) for k, v in buffers.items()})
 
 
+LOOKUP_MAX = 16  # the deepest prompt-lookup chain (heads.NGram's proposal)
+
+
+def split_chain(paths: list) -> tuple:
+    """A tree's index paths -> (the head's paths, the depth of the prompt-lookup chain it names with
+    a path [-1, 0, ..., 0], or None where it names none: then a lookup chain is as deep as the tree)."""
+    chain = [len(p) for p in paths if p[0] == -1]
+    return [p for p in paths if p[0] != -1], (chain[0] if chain else None)
+
+
 def load_tree(name_or_path: str) -> list:
-    """A named tree from MEDUSA_TREES or a JSON file holding a list of index paths."""
+    """A named tree from MEDUSA_TREES or a JSON file holding a list of index paths; one path may
+    be [-1, 0, ..., 0], the prompt-lookup chain (with --lookup) as deep as it is long (split_chain)."""
     bad = (f"unknown tree {name_or_path!r}: give one of {', '.join(MEDUSA_TREES)} "
            f"or a JSON file of index paths")
     if name_or_path in MEDUSA_TREES:
@@ -77,10 +88,16 @@ def load_tree(name_or_path: str) -> list:
     except (OSError, ValueError) as e:
         raise ValueError(f"{bad} ({e})") from None
     ok = isinstance(paths, list) and len(paths) > 0 and all(
-        isinstance(p, list) and len(p) > 0 and all(type(c) is int and c >= 0 for c in p) for p in paths)
+        isinstance(p, list) and len(p) > 0 and all(type(c) is int and c >= 0 for c in p[1:])
+        and type(p[0]) is int and p[0] >= -1 for p in paths)
     if not ok:
         raise ValueError(f"{bad} (want a non-empty list of non-empty lists of ints >= 0)")
+    chains = [p for p in paths if p[0] == -1]
+    if len(chains) > 1 or any(any(p[1:]) or len(p) > LOOKUP_MAX for p in chains) or len(chains) == len(paths):
+        raise ValueError(f"{name_or_path}: one path [-1, 0, ..., 0] at most, at most {LOOKUP_MAX} long, "
+                         "beside the head's paths (it is the prompt-lookup chain)")
     return paths
+
 
 
 def prefix_counts(ranks: Tensor, top: int = 10) -> dict:
@@ -205,8 +222,9 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
     t_verify(1) a token for plain decoding. counts, roots: the head's prefix counts over `roots`
     roots (held-out: prefix_counts; measured in the step: step_counts). t_verify {N: s}: a base forward over N tree rows;
-    t_draft {depth: s}: the head's draft of that many levels (both read by `interpolate`). lookup: a prompt-lookup chain as
-    deep as the tree rides along: its nodes are paid for, and with lookup_hits [b_1, b_2, ...] (the
+    t_draft {depth: s}: the head's draft of that many levels (both read by `interpolate`). lookup: a prompt-lookup chain at
+    least as deep as the tree rides along (deeper, as far as lookup_hits reach: a chain's nodes cost no
+    draft level, and where the context repeats itself it runs past the head's): its nodes are paid for, and with lookup_hits [b_1, b_2, ...] (the
     fraction of roots where its first j tokens are right, lookup_counts) counted too, as if the two
     branches erred independently: a step gets j tokens past the root unless both miss there, so
     tau = 1 + sum_j (1 - (1 - a_j)(1 - b_j)), a_j the tree's fraction of roots accepted to depth j
@@ -216,11 +234,11 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     no independence is assumed: tau = 1 + sum_j b_j + sum over the tree's paths of (counts - both) / roots.
     overhead (o_ar, o_spec): seconds a decode step costs beyond its forwards (the loop's host sync,
     sampling or acceptance, compaction), added to plain decoding's step and to every tree's.
-    Returns dict(paths (None: plain decoding),
-    nodes, depth, tau, speedup: predicted, against plain decoding), plus `candidates`, the best of
-    each size."""
+    Returns dict(paths (None: plain decoding; with lookup, the chain's path [-1, 0, ...] last),
+    nodes, depth (the head's), chain (the lookup chain's depth), tau, speedup: predicted, against plain
+    decoding), plus `candidates`, the best of each size of the head's tree."""
     t_ar = interpolate(t_verify, 1) + overhead[0]
-    best = dict(paths=None, nodes=1, depth=0, tau=1.0, speedup=1.0)
+    best = dict(paths=None, nodes=1, depth=0, chain=0, tau=1.0, speedup=1.0)
     candidates = []
     joint = lookup and lookup_hits and both is not None
     # a tree of the most frequent paths is best for counts alone (a prefix is as frequent as its
@@ -236,22 +254,31 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
                 continue
             paths = [list(p) for p in trees[n][1]]
             depth = max(len(p) for p in paths)
-            nodes = n + 1 + (depth if lookup else 0)
-            if nodes > max_nodes or depth != d:  # depth < d: the same tree as under a smaller limit
+            if depth != d:  # depth < d: the same tree as under a smaller limit
                 continue
-            if joint:
-                tau = 1 + sum(lookup_hits[:depth]) + trees[n][0] / roots
-            elif lookup and lookup_hits:
-                a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
-                b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
-                tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b))
-            else:
-                tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
-            speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) + overhead[1])
-            cand = dict(paths=paths, nodes=nodes, depth=depth, tau=tau, speedup=speedup)
-            candidates.append(cand)
-            if speedup > best["speedup"]:
-                best = cand
+            # past the tree's depth only the chain gets tokens: b_j more each, j up to the chain's depth
+            top = None
+            for chain in range(depth, max(depth, len(lookup_hits or ())) + 1) if lookup else (0,):
+                nodes = n + 1 + chain
+                if nodes > max_nodes:
+                    break
+                beyond = sum(lookup_hits[depth:chain]) if chain > depth else 0.0
+                if joint:
+                    tau = 1 + sum(lookup_hits[:chain]) + trees[n][0] / roots
+                elif lookup and lookup_hits:
+                    a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
+                    b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
+                    tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b)) + beyond
+                else:
+                    tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
+                speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) + overhead[1])
+                if top is None or speedup > top["speedup"]:
+                    top = dict(paths=paths + ([[-1] + [0] * (chain - 1)] if lookup else []), nodes=nodes,
+                               depth=depth, chain=chain, tau=tau, speedup=speedup)
+            if top is not None:
+                candidates.append(top)
+                if top["speedup"] > best["speedup"]:
+                    best = top
     return {**best, "candidates": candidates}
 
 

@@ -93,6 +93,32 @@ def test_lookup_branch_joins_the_tree():
     assert [len(x) for x in plan.expand_nodes[1:]] == [len(x) for x in plain.expand_nodes[1:]]
 
 
+def test_lookup_chain_deeper_than_the_tree():
+    """A path [-1, 0, ...] makes the chain that deep: past the head's depth the chain's nodes are the
+    only ones, each the child of the one above, and the draft fills them with the lookup's proposal."""
+    from heads import draft_static, static_plan
+    from test_speculative import make_head
+    paths = [[0], [1], [0, 0], [-1, 0, 0, 0, 0]]
+    plan = static_plan(paths, lookup=True)
+    assert plan.lookup == 5 and plan.tree.depth == 5 and plan.tree.num_nodes == 1 + 3 + 5 and len(plan.topk) == 3
+    chain = [i for i in range(plan.tree.num_nodes) if plan.paths[i][:1] == (2,)]
+    assert [int(plan.tree.parents[i]) for i in chain] == [0] + chain[:-1]
+    assert plan.tree.positions[chain].tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="give --lookup N"):
+        static_plan(paths)
+    ctx = torch.tensor([1, 7, 8, 9, 20, 21, 22, 23, 24, 25, 5, 7, 8, 9])  # after "7 8 9": 20 21 22 23 24
+    L, S = len(ctx), 64
+    base = Transformer(TINY).eval()
+    base.setup_caches(1, S)
+    head = WithLookup(make_head("medusa", TINY, seed=1), NGram(TINY.vocab_size, 3)).eval()
+    head.setup_caches(S + 64)
+    h = torch.randn(L - 1, TINY.dim)
+    with torch.no_grad():
+        head.prefill(base, h, ctx[1:])
+        tokens, tree = draft_static(head, base, plan, h[-1:], ctx[-1:], torch.tensor(1), torch.tensor(L - 1))
+    assert tokens[chain].tolist() == [20, 21, 22, 23, 24]
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_head_with_lookup_equals_autoregressive(default_model, kind):
     """A random head (its drafts almost never accepted) plus the lookup branch: exact, and the branch
@@ -101,6 +127,7 @@ def test_head_with_lookup_equals_autoregressive(default_model, kind):
     model, tok = default_model
     head = WithLookup(make_head(kind, model.args, seed=1), NGram(model.args.vocab_size, 3)).to(model.output.weight.dtype)
     assert speculative_tau(model, tok, head, "tree10", DAYS) > 2.0
+    assert speculative_tau(model, tok, head, [[0], [1], [0, 0], [-1] + [0] * 6], DAYS) > 2.0  # a chain 7 deep
     if kind == "eagle":  # an EAGLE-2 dynamic tree of 16 nodes plus the 4-node chain
         assert speculative_tau(model, tok, head, None, DAYS, dynamic=(4, 4, 16)) > 2.0
 

@@ -81,9 +81,16 @@ def test_load_tree_errors(tmp_path):
     f = tmp_path / "t.json"
     f.write_text(json.dumps([[0], [0, 0], [1]]))
     assert T.load_tree(str(f)) == [[0], [0, 0], [1]]
-    for bad in ["{not json", json.dumps({"a": 1}), json.dumps([[0], []]), json.dumps([[0.5]]), "[]"]:
+    for bad in ["{not json", json.dumps({"a": 1}), json.dumps([[0], []]), json.dumps([[0.5]]), "[]", "[[0, -1]]"]:
         f.write_text(bad)
         with pytest.raises(ValueError, match="unknown tree"):
+            T.load_tree(str(f))
+    f.write_text(json.dumps([[0], [1], [-1, 0, 0, 0]]))  # the lookup chain, 4 deep
+    assert T.split_chain(T.load_tree(str(f))) == ([[0], [1]], 4)
+    assert T.split_chain([[0], [1]]) == ([[0], [1]], None)
+    for bad in [[[0], [-1], [-1, 0]], [[0], [-1, 1]], [[-1, 0]], [[0], [-1] + [0] * 16]]:
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"one path \[-1, 0, ..., 0\] at most"):
             T.load_tree(str(f))
 
 
@@ -305,14 +312,20 @@ def test_choose_tree_counts_the_lookup_branch():
     t_verify, t_draft = {1: 1.0, 64: 1.5}, {1: 0.02, 4: 0.08}
     paid = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True)
     zero = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=[0.0] * 4)
-    assert [c["paths"] for c in zero["candidates"]] == [c["paths"] for c in paid["candidates"]]
-    assert [c["speedup"] for c in zero["candidates"]] == pytest.approx([c["speedup"] for c in paid["candidates"]])
+    as_deep = [c for c in zero["candidates"] if c["chain"] == c["depth"]]  # (a deeper chain only costs here)
+    assert [c["paths"] for c in as_deep] == [c["paths"] for c in paid["candidates"]]
+    assert [c["speedup"] for c in as_deep] == pytest.approx([c["speedup"] for c in paid["candidates"]])
+    assert zero["chain"] == zero["depth"] and all(c["chain"] == c["depth"] for c in paid["candidates"])
     hits = [0.5, 0.4, 0.3, 0.2]
     both = T.choose_tree(counts, roots, t_verify, t_draft, lookup=True, lookup_hits=hits)
     for c in both["candidates"]:
-        a = [sum(counts[tuple(p)] for p in c["paths"] if len(p) == j) / roots for j in range(1, c["depth"] + 1)]
-        assert c["tau"] == pytest.approx(1 + sum(x + y - x * y for x, y in zip(a, hits)))
+        head, chain = T.split_chain(c["paths"])
+        assert chain == c["chain"] >= c["depth"] == max(map(len, head)) and c["nodes"] == len(head) + 1 + chain
+        a = [sum(counts[tuple(p)] for p in head if len(p) == j) / roots for j in range(1, c["depth"] + 1)]
+        assert c["tau"] == pytest.approx(1 + sum(x + y - x * y for x, y in zip(a, hits)) + sum(hits[c["depth"]:chain]))
     assert both["tau"] > paid["tau"] and both["speedup"] > paid["speedup"]
+    # verification as cheap as this: the chain goes as deep as the hits reach, past the head's depth
+    assert both["chain"] == 4 and all(c["chain"] == 4 for c in both["candidates"])
 
 
 @FAST
@@ -336,17 +349,17 @@ def test_choose_tree_is_the_fastest_tree_by_brute_force(ranks, rows, level, look
 @st.composite
 def observed_steps(draw):
     """step_counts' input: per step the accepted head path (choices < 3, at most 2 deep) and how
-    many lookup tokens were right (0-2), few distinct so that they repeat."""
+    many lookup tokens were right (0-3), few distinct so that they repeat."""
     chain = st.sampled_from([(), (0,), (0, 0), (0, 1), (1,), (1, 0), (2,), (0, 2)])
-    return draw(st.lists(st.tuples(chain, st.sampled_from([0, 0, 1, 2])), min_size=1, max_size=40))
+    return draw(st.lists(st.tuples(chain, st.sampled_from([0, 0, 1, 2, 3])), min_size=1, max_size=40))
 
 
 @FAST
 @given(observed_steps(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3), st.floats(0.0, 0.5))
 def test_choose_tree_with_joint_lookup_counts_is_the_fastest_by_brute_force(observed, rows, level):
     """Measured jointly, a step gets the deeper of the head's accepted path within the tree and the
-    lookup chain's right tokens (as deep as the tree): replayed step by step, against every tree of
-    choices < 3 up to 2 deep that fits in 8 rows."""
+    lookup chain's right tokens (as deep as the chain, at least the tree's depth): replayed step by
+    step, against every tree of choices < 3 up to 2 deep and chain up to 3 deep that fits in 8 rows."""
     nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
     acc = T.step_counts(observed, nodes, 3)
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
@@ -355,17 +368,20 @@ def test_choose_tree_with_joint_lookup_counts_is_the_fastest_by_brute_force(obse
     t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
     t_draft = {1: level, 2: 2 * level}
 
-    def replayed(sub):
+    def replayed(sub, chain):
         depth = max(map(len, sub))
-        tau = 1 + sum(max(max(d for d in range(len(p) + 1) if p[:d] in sub or d == 0), min(k, depth))
+        tau = 1 + sum(max(max(d for d in range(len(p) + 1) if p[:d] in sub or d == 0), min(k, chain))
                       for p, k in observed) / len(observed)
-        return tau, tau / (T.interpolate(t_draft, depth) + T.interpolate(t_verify, len(sub) + 1 + depth))
+        return tau, tau / (T.interpolate(t_draft, depth) + T.interpolate(t_verify, len(sub) + 1 + chain))
 
     r = T.choose_tree(counts, acc["roots"], t_verify, t_draft, max_nodes=8, lookup=True, lookup_hits=hits, both=both)
     for c in r["candidates"]:
-        assert (c["tau"], c["speedup"]) == pytest.approx(replayed({tuple(p) for p in c["paths"]}))
-    best = max([1.0] + [replayed(set(sub))[1] for n in range(1, 8) for sub in itertools.combinations(nodes, n)
-                        if all(p[:-1] in sub for p in sub if len(p) > 1) and n + 1 + max(map(len, sub)) <= 8])
+        head, chain = T.split_chain(c["paths"])
+        assert (c["tau"], c["speedup"]) == pytest.approx(replayed({tuple(p) for p in head}, chain))
+    best = max([1.0] + [replayed(set(sub), chain)[1] for n in range(1, 8) for sub in itertools.combinations(nodes, n)
+                        if all(p[:-1] in sub for p in sub if len(p) > 1)
+                        for chain in range(max(map(len, sub)), max(max(map(len, sub)), len(hits)) + 1)
+                        if n + 1 + chain <= 8])
     assert r["speedup"] == pytest.approx(best)
 
 
