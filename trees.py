@@ -256,21 +256,21 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
             depth = max(len(p) for p in paths)
             if depth != d:  # depth < d: the same tree as under a smaller limit
                 continue
+            if joint:  # tau to the tree's depth, the lookup chain as deep as the tree
+                tau_d = 1 + sum(lookup_hits[:depth]) + trees[n][0] / roots
+            elif lookup and lookup_hits:
+                a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
+                b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
+                tau_d = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b))
+            else:
+                tau_d = 1 + sum(counts[tuple(p)] for p in paths) / roots
             # past the tree's depth only the chain gets tokens: b_j more each, j up to the chain's depth
             top = None
             for chain in range(depth, max(depth, len(lookup_hits or ())) + 1) if lookup else (0,):
                 nodes = n + 1 + chain
                 if nodes > max_nodes:
                     break
-                beyond = sum(lookup_hits[depth:chain]) if chain > depth else 0.0
-                if joint:
-                    tau = 1 + sum(lookup_hits[:chain]) + trees[n][0] / roots
-                elif lookup and lookup_hits:
-                    a = [sum(counts[tuple(p)] for p in paths if len(p) == j) / roots for j in range(1, depth + 1)]
-                    b = list(lookup_hits[:depth]) + [0.0] * (depth - len(lookup_hits))
-                    tau = 1 + sum(1 - (1 - x) * (1 - y) for x, y in zip(a, b)) + beyond
-                else:
-                    tau = 1 + sum(counts[tuple(p)] for p in paths) / roots
+                tau = tau_d + sum(lookup_hits[depth:chain]) if chain > depth else tau_d
                 speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) + overhead[1])
                 if top is None or speedup > top["speedup"]:
                     top = dict(paths=paths + ([[-1] + [0] * (chain - 1)] if lookup else []), nodes=nodes,
