@@ -1,5 +1,6 @@
-"""The steps' kernels for CPUs with AVX-512 bf16, bf16: without AMX (AMD Zen 4) a tree's rows'
-projections and attention; with AMX (Intel Xeon) every step's projections and a tree's attention.
+"""The steps' bf16 kernels for CPUs: with AVX-512 bf16 and without AMX (AMD Zen 4) a tree's rows'
+projections and attention; with AMX (Intel Xeon) every step's projections and a tree's attention;
+with AVX2 only (AMD Zen 3) every projection.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
 ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
@@ -20,6 +21,13 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
   cache slots (Transformer.tree_sdpa), with the RoPE and cache writes before it.
 - argmax (both): the greedy token of each row (trees.argmax), each thread over the columns that its
   core's lm_head wrote.
+
+On AVX2 without AVX-512 (AMD Zen 3) there is no bf16 arithmetic: inductor's bf16 GEMM widens the
+weights to fp32 for every few rows and oneDNN's runs at about 15 GFLOP/s, so a tree's 16 rows cost
+7x one row there (docs/speed.md). cpu_kernels_avx2.cpp's rows_linear, for every row count: the
+weights packed once (pack_avx2) so that one 32-byte load and two unpacks give 16 columns in fp32,
+each meeting up to 6 rows from registers with FMAs, prefetched 2 KB ahead; 1 row streams the
+weights at about 35 GB/s (inductor's one-row GEMM 22-24) and 4 rows cost about what 1 costs.
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are,
@@ -46,53 +54,72 @@ def wanted(device, dtype) -> bool:
             and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported())
 
 
+def wanted_avx2(device, dtype) -> bool:
+    """bf16 on a CPU whose best vectors are AVX2's: no bf16 arithmetic (AMD Zen 3; cpu_kernels_avx2.cpp)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
 def wanted_tiles(device, dtype) -> bool:
     """bf16 on a CPU with AMX tiles that the OS lets this process use (tiles_linear, rows_attention)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
 
 
-_built = None
+_built = None  # the ops that build() loaded (empty where it failed); None before it ran
 
 
-def built() -> bool:
-    """Whether build() has loaded the ops (without building them)."""
-    return _built is True
+def has(op: str) -> bool:
+    """Whether build() has loaded the op treespec::op (without building anything)."""
+    return bool(_built) and op in _built
 
 
 def build() -> bool:
-    """Compiles and loads the ops once per process; False (with a note) where that fails."""
+    """Compiles and loads the ops once per process, from cpu_kernels_avx2.cpp on an AVX2 CPU (no
+    AVX-512), else cpu_kernels.cpp; False (with a note) where that fails."""
     global _built
     if _built is None:
         from torch.utils.cpp_extension import load
+        avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+        name, flags = (("cpu_kernels_avx2", ["-mavx2", "-mfma"]) if avx2 else
+                       ("cpu_kernels", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                                        "-mamx-tile", "-mamx-bf16"]))
+        fakes = {
+            "rows_linear": lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]),
+            "tree_attention": lambda q, k, v, k_new, v_new, prefix, tree_mask:
+                torch.empty_like(q, memory_format=torch.contiguous_format),
+            "tiles_linear": lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]),
+            "tiles_glu": lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]),
+            "argmax": lambda x: x.new_empty(x.shape[:-1], dtype=torch.long),
+            "topk": lambda x, k: x.new_empty(*x.shape[:-1], k, dtype=torch.long),
+            "rows_attention": lambda qkv, freqs, pos, k_cache, v_cache, mask, n_head:
+                qkv.new_empty(*qkv.shape[:2], 64 * n_head),
+        }
         try:
-            load("treespec_cpu_kernels", [str(Path(__file__).with_suffix(".cpp"))], is_python_module=False,
-                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                               "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
-            torch.library.register_fake("treespec::rows_linear")(
-                lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
-            torch.library.register_fake("treespec::tree_attention")(
-                lambda q, k, v, k_new, v_new, prefix, tree_mask: torch.empty_like(q, memory_format=torch.contiguous_format))
-            torch.library.register_fake("treespec::tiles_linear")(
-                lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]))
-            torch.library.register_fake("treespec::tiles_glu")(
-                lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]))
-            torch.library.register_fake("treespec::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
-            torch.library.register_fake("treespec::topk")(lambda x, k: x.new_empty(*x.shape[:-1], k, dtype=torch.long))
-            torch.library.register_fake("treespec::rows_attention")(
-                lambda qkv, freqs, pos, k_cache, v_cache, mask, n_head: qkv.new_empty(*qkv.shape[:2], 64 * n_head))
-            _built = True
+            load("treespec_" + name, [str(Path(__file__).with_name(name + ".cpp"))], is_python_module=False,
+                 extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+            _built = {op for op in fakes if hasattr(torch.ops.treespec, op)}
+            for op in _built:
+                torch.library.register_fake("treespec::" + op)(fakes[op])
         except Exception as e:
             print(f"note: the CPU kernels did not build ({str(e).splitlines()[0][:120]}); "
                   "tree steps use torch's kernels", file=sys.stderr)
-            _built = False
-    return _built
+            _built = set()
+    return bool(_built)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] -> [N/16, K/2, 16, 2]: 16 columns' pairs of k, one 64-byte line a pair (rows_linear's layout)."""
     N, K = w.shape
     return w.detach().view(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_avx2(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K, 16]: a panel's 16 columns at each k, ordered 0-3, 8-11, 4-7, 12-15 so that
+    AVX2's two unpacks (within 128-bit lanes) widen them to columns 0-7 and 8-15 (the AVX2 rows_linear's layout)."""
+    N, K = w.shape
+    order = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15], device=w.device)
+    return w.detach().view(N // 16, 16, K)[:, order].transpose(1, 2).contiguous()
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -134,6 +161,16 @@ class RowsLinear(nn.Linear):
 
     def forward(self, x):
         if x.dtype == torch.bfloat16 and MIN_ROWS <= x.numel() // x.shape[-1] <= MAX_ROWS:
+            return torch.ops.treespec.rows_linear(x, self.packed)
+        return F.linear(x, self.weight, self.bias)
+
+
+class WideLinear(nn.Linear):
+    """nn.Linear whose bf16 forward, any number of rows, is the AVX2 rows_linear on a packed copy of
+    the weight (pack_avx2), kept beside it: torch's bf16 kernels on AVX2 run 3-8x slower past one row."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16:
             return torch.ops.treespec.rows_linear(x, self.packed)
         return F.linear(x, self.weight, self.bias)
 
@@ -184,6 +221,12 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
                   and m.weight.shape[0] % 32 == 0 and m.weight.shape[1] % 32 == 0):
                 m.register_buffer("packed", pack_tiles(m.weight), persistent=False)
                 m.__class__ = TileLinear
+    elif wanted_avx2(device, dtype) and build():
+        for m in model.modules():
+            if (type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype
+                    and m.weight.shape[0] % 32 == 0):
+                m.register_buffer("packed", pack_avx2(m.weight), persistent=False)
+                m.__class__ = WideLinear
     elif wanted(device, dtype) and build():
         for m in model.modules():
             if type(m) is Attention:

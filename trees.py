@@ -467,7 +467,7 @@ def top_indices(logits: Tensor, k: int) -> Tensor:
     op (the earlier index first among equals, where torch's order is unspecified; NaNs passed over),
     4 us over a draft's 8,192-token row against torch's 26 (a draft level's choices)."""
     if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1] % 16 == 0
-            and k <= min(64, logits.shape[-1]) and cpu_kernels.built()):
+            and k <= min(64, logits.shape[-1]) and cpu_kernels.has("topk")):
         return torch.ops.treespec.topk(logits, k)
     return logits.topk(k, dim=-1).indices
 
@@ -478,7 +478,7 @@ def argmax(logits: Tensor) -> Tensor:
     146 us over a 49,152-token row and 378 over 13 rows, this 35 and 186 (compiled, Xeon family 6
     model 167). (A NaN row gives the last token, not NaN's; the op passes NaNs over.)"""
     if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1] % 16 == 0
-            and cpu_kernels.built()):
+            and cpu_kernels.has("argmax")):
         return torch.ops.treespec.argmax(logits)
     V = logits.shape[-1]
     i = torch.arange(V, device=logits.device, dtype=torch.int32)

@@ -14,6 +14,60 @@ from model import Attention, FeedForward, KVCache, ModelArgs, Transformer, preco
 zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
                           reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
 amx = pytest.mark.skipif(not ck.wanted_tiles("cpu", torch.bfloat16), reason="the tile kernels are for CPUs with AMX")
+avx2 = pytest.mark.skipif(not ck.wanted_avx2("cpu", torch.bfloat16), reason="the AVX2 kernel is for CPUs without AVX-512")
+
+
+@avx2
+@pytest.mark.parametrize("K", [1, 100, 576])
+def test_avx2_rows_linear_is_a_bf16_matmul(K):
+    assert ck.build()
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(96, K, generator=g).bfloat16()  # 3 tasks of 32 columns
+    wp = ck.pack_avx2(w)
+    # a panel's 16 columns as AVX2's unpacks within 128-bit lanes widen them: 0-3, 8-11, 4-7, 12-15
+    assert wp.shape == (6, K, 16) and wp[1, K - 1, 4] == w[16 + 8, K - 1] and wp[1, 0, 9] == w[16 + 5, 0]
+    alone = torch.randn(1, K, generator=g).bfloat16()
+    for M in range(1, 20):  # 1 and 2 rows' wide tile, blocks of 6 rows and every remainder
+        x = torch.randn(3, M, K, generator=g).bfloat16()
+        y = torch.ops.treespec.rows_linear(x, wp)
+        assert y.shape == (3, M, 96) and y.dtype == torch.bfloat16
+        ref = x.float() @ w.float().T
+        if K == 1:  # one product, exact in fp32: rounded to bf16 as torch rounds
+            assert torch.equal(y, ref.bfloat16())
+        else:  # the fp32 sums in another order, rounded once to bf16: within half an ulp and a hair
+            torch.testing.assert_close(y.float(), ref, rtol=2 ** -8 + 1e-5, atol=1e-4)
+        x[1, M // 2] = alone  # a row's result does not depend on the rows beside it
+        assert torch.equal(torch.ops.treespec.rows_linear(x, wp)[1, M // 2], torch.ops.treespec.rows_linear(alone, wp)[0])
+
+
+@avx2
+def test_avx2_rows_linear_rounds_ties_to_even_and_keeps_inf_and_nan():
+    assert ck.build()
+    # exact fp32 sums: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 (to even: 1), 1 + 3 * 2^-8 one between
+    # 1 + 2^-7 and 1 + 2^-6 (to even: up); then inf, NaN and a finite sum that rounds to inf
+    x = torch.tensor([[1, 2 ** -8], [1 + 2 ** -7, 2 ** -8], [float("inf"), 1], [float("nan"), 1],
+                      [3.39e38, 3.39e38]]).bfloat16()
+    y = torch.ops.treespec.rows_linear(x, ck.pack_avx2(torch.ones(32, 2).bfloat16()))
+    ref = (x.float() @ torch.ones(2, 32)).bfloat16()
+    assert ref[0, 0] == 1 and ref[1, 0] == 1 + 2 ** -6 and ref[4, 0] == float("inf")
+    assert torch.equal(y[[0, 1, 2, 4]], ref[[0, 1, 2, 4]]) and y[3].isnan().all()
+
+
+@avx2
+def test_avx2_install_swaps_bias_free_linears_for_every_row_count(one_thread):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 48, bias=False),
+                      Attention(ModelArgs(dim=128, n_head=2))).bfloat16()
+    w0 = m[0].weight
+    ck.install(m, "cpu", torch.bfloat16)
+    # a bias, or N not a multiple of the kernel's 32 columns: left as they are; attention too
+    assert [type(l) for l in m] == [ck.WideLinear, nn.Linear, nn.Linear, Attention]
+    assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
+    for rows in (1, 13, 70):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
+    fp32 = ck.install(nn.Sequential(nn.Linear(8, 32, bias=False)), "cpu", torch.float32)
+    assert type(fp32[0]) is nn.Linear
 
 
 @zen4
@@ -256,8 +310,9 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.bfloat16)) is ck.RowsAttention
 
 
-@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)),
-                    reason="the kernels are for CPUs with AVX-512 bf16")
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)
+                         or ck.wanted_avx2("cpu", torch.bfloat16)),
+                    reason="the kernels are for CPUs with AVX-512 bf16 or AVX2")
 def test_compiled_tree_forward_calls_the_kernels(one_thread):
     """As the tree step compiles it (freezing, C++ wrapper): a bf16 forward over 8 tree rows calls
     rows_linear and tree_attention (no AMX) or tiles_linear, tiles_glu and rows_attention (AMX; q/k/v with a bias,
@@ -287,7 +342,9 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):
         assert "rows_attention" in code and "tiles_linear" in code and "tiles_glu" in code and "rows_linear" not in code
+    elif ck.wanted_avx2("cpu", torch.bfloat16):  # the bias-free projections (wo, the MLP's, the lm_head)
+        assert "rows_linear" in code and "treespec::argmax" not in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
-    assert "treespec::argmax" in code and torch.equal(top, y[0].argmax(-1))
+    assert ck.has("argmax") == ("treespec::argmax" in code) and torch.equal(top, y[0].argmax(-1))
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())
