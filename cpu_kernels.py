@@ -85,7 +85,7 @@ def build() -> bool:
                        ("cpu_kernels", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                                         "-mamx-tile", "-mamx-bf16"]))
         fakes = {
-            "rows_linear": lambda x, wp: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]),
+            "rows_linear": lambda x, wp, b=None: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]),
             "tree_attention": lambda q, k, v, k_new, v_new, prefix, tree_mask:
                 torch.empty_like(q, memory_format=torch.contiguous_format),
             "tiles_linear": lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]),
@@ -171,7 +171,7 @@ class WideLinear(nn.Linear):
 
     def forward(self, x):
         if x.dtype == torch.bfloat16:
-            return torch.ops.treespec.rows_linear(x, self.packed)
+            return torch.ops.treespec.rows_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -223,8 +223,10 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
                 m.__class__ = TileLinear
     elif wanted_avx2(device, dtype) and build():
         for m in model.modules():
-            if (type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype
-                    and m.weight.shape[0] % 32 == 0):
+            if type(m) is Attention:
+                m.__class__ = RowsAttention
+            elif (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
+                  and m.weight.shape[0] % 32 == 0):
                 m.register_buffer("packed", pack_avx2(m.weight), persistent=False)
                 m.__class__ = WideLinear
     elif wanted(device, dtype) and build():

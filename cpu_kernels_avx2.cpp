@@ -6,6 +6,13 @@
 #include <cstring>
 #include <vector>
 
+static inline float bf16_to_float(uint16_t h) {  // bf16 is fp32's high half
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // y[m][16 columns x NP] for MB rows: the weights come packed as [N/16][K][16] (pack_avx2), so one
 // 32-byte load gives a panel's 16 weights at k, and two unpacks with zero widen them to fp32 (bf16 is
 // fp32's high half) in the column order pack_avx2 arranged: columns 0-7, then 8-15. Each widened
@@ -53,27 +60,31 @@ static inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-// y [..., N] = x [..., K] @ w^T, w packed by pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a
-// multiple of 32. A thread's task is 32 columns (two panels, read in order); its rows go 6 at a time
+// y [..., N] = x [..., K] @ w^T (+ b, in fp32 before the one rounding, as F.linear), w packed by
+// pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a multiple of 32. A thread's task is 32 columns (two panels, read in order); its rows go 6 at a time
 // (6 x 2 accumulators, 2 weight vectors and a broadcast fill the 16 registers), the panels' later
 // reads from L1/L2; 1 or 2 rows take both panels at once, for more independent sums in flight.
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp) {
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3
               && wp.size(2) == 16 && wp.size(0) % 2 == 0 && x.size(-1) == wp.size(1) && wp.is_contiguous(),
               "rows_linear: bf16 x [..., K] and packed w [N/16, K, 16], N a multiple of 32");
+  TORCH_CHECK(!b || (b->scalar_type() == at::kBFloat16 && b->numel() == 16 * wp.size(0)), "rows_linear: bf16 bias [N]");
   auto xs = x.reshape({-1, x.size(-1)}).contiguous();
   int64_t M = xs.size(0), K = xs.size(1), N = 16 * wp.size(0), panel = 16 * K;
   auto y = at::empty({M, N}, x.options());
   // x widened once, read by every task (here, not by aten's conversion: a token's 150 calls a step)
   std::vector<float> xf(M * K);
   auto xb = (const uint16_t*)xs.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; i++) {
-    uint32_t u = (uint32_t)xb[i] << 16;
-    std::memcpy(&xf[i], &u, 4);
-  }
+  for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_float(xb[i]);
   const float* xp = xf.data();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
   auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  std::vector<float> bias(N, 0.f);
+  if (b) {
+    auto bc = b->contiguous();
+    auto bb = (const uint16_t*)bc.data_ptr<at::BFloat16>();
+    for (int64_t n = 0; n < N; n++) bias[n] = bf16_to_float(bb[n]);
+  }
   at::parallel_for(0, N / 32, 1, [&](int64_t t0, int64_t t1) {
     alignas(32) float acc[6][64];
     for (int64_t t = t0; t < t1; t++) {
@@ -97,7 +108,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp) {
         }
         for (int r = 0; r < mb; r++)
           for (int j = 0; j < 4; j++)
-            _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j), to_bf16(_mm256_load_ps(&acc[r][8 * j])));
+            _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j),
+                             to_bf16(_mm256_add_ps(_mm256_load_ps(&acc[r][8 * j]), _mm256_loadu_ps(&bias[32 * t + 8 * j]))));
       }
     }
   });
@@ -108,6 +120,157 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp) {
 
 static inline __m256 load_bf16(const uint16_t* p) {  // 8 bf16 -> fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// e^x for x <= 0: 2^n e^f with |f| <= ln2/2, a degree-6 Taylor polynomial (rel. error ~2e-7); below
+// -87 (fp32's least normal power of 2, and a masked -inf) 0
+static inline __m256 exp_ps(__m256 x) {
+  __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+// One task: up to 8 query rows (lanes) of one kv head against its J = L + T keys, the L cache slots
+// and the T tree rows, allow[j] the lanes that may see key j. The keys and values widened to fp32
+// once (kf, vf [J][D]); scores 8 keys at a time, each key's d broadcast onto the rows' scaled q
+// (qt [D][8], so no horizontal sums); fp32 softmax; then each row's values summed, its weights broadcast.
+template <int D>
+static void attend(const uint16_t* const* qrow, int nq, const uint16_t* const* krow, const uint16_t* const* vrow,
+                   const uint8_t* allow, int64_t J, float scale, uint16_t* const* yrow,
+                   float* qt, float* kf, float* vf, float* S, float* Y) {
+  for (int64_t d = 0; d < D; d++)
+    for (int l = 0; l < 8; l++) qt[8 * d + l] = l < nq ? bf16_to_float(qrow[l][d]) * scale : 0.f;
+  for (int64_t j = 0; j < J; j++)
+    for (int d = 0; d < D; d += 8) {
+      _mm256_store_ps(kf + j * D + d, load_bf16(krow[j] + d));
+      _mm256_store_ps(vf + j * D + d, load_bf16(vrow[j] + d));
+    }
+  for (int64_t j = J; j < (J + 7) / 8 * 8; j++)  // a last block's keys past J: zeros
+    for (int d = 0; d < D; d += 8) _mm256_store_ps(kf + j * D + d, _mm256_setzero_ps());
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < J; j0 += 8) {
+    __m256 acc[8];
+    const float* kr = kf + j0 * D;
+#pragma GCC unroll 8
+    for (int jj = 0; jj < 8; jj++) acc[jj] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+      __m256 q = _mm256_load_ps(qt + 8 * d);
+#pragma GCC unroll 8
+      for (int jj = 0; jj < 8; jj++) acc[jj] = _mm256_fmadd_ps(_mm256_broadcast_ss(kr + jj * D + d), q, acc[jj]);
+    }
+    for (int jj = 0; jj < 8 && j0 + jj < J; jj++) {
+      __m256i a = _mm256_set1_epi32(allow[j0 + jj]);
+      __m256 ok = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(a, bit), bit));
+      __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[jj], ok);
+      _mm256_store_ps(S + 8 * (j0 + jj), s);
+      m = _mm256_max_ps(m, s);
+    }
+  }
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < J; j++) {
+    __m256 p = exp_ps(_mm256_sub_ps(_mm256_load_ps(S + 8 * j), m));
+    _mm256_store_ps(S + 8 * j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  alignas(32) float inv[8];
+  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+  // the values 32 keys at a time (8 KB of vf for D = 64, from L1), two rows at once (each load of
+  // values meets both), each row's sums kept in Y between the blocks
+  for (int64_t j0 = 0; j0 < J; j0 += 32) {
+    int64_t j1 = std::min<int64_t>(J, j0 + 32);
+    for (int r = 0; r < nq; r += 2)
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        float *y0 = Y + r * D + d0, *y1 = y0 + D;
+        __m256 acc[2][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+          acc[0][i] = j0 ? _mm256_load_ps(y0 + 8 * i) : _mm256_setzero_ps();
+          acc[1][i] = j0 ? _mm256_load_ps(y1 + 8 * i) : _mm256_setzero_ps();
+        }
+        for (int64_t j = j0; j < j1; j++) {
+          __m256 p0 = _mm256_broadcast_ss(S + 8 * j + r), p1 = _mm256_broadcast_ss(S + 8 * j + r + 1);
+          const float* v = vf + j * D + d0;
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; i++) {
+            __m256 vv = _mm256_load_ps(v + 8 * i);
+            acc[0][i] = _mm256_fmadd_ps(p0, vv, acc[0][i]);
+            acc[1][i] = _mm256_fmadd_ps(p1, vv, acc[1][i]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+          _mm256_store_ps(y0 + 8 * i, acc[0][i]);
+          _mm256_store_ps(y1 + 8 * i, acc[1][i]);
+        }
+      }
+  }
+  for (int r = 0; r < nq; r++)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm_storeu_si128((__m128i*)(yrow[r] + d), to_bf16(_mm256_mul_ps(_mm256_load_ps(Y + r * D + d), _mm256_set1_ps(inv[r]))));
+}
+
+// As model.tree_attention (and cpu_kernels.cpp's): q [B, H, T, D]; k, v [B, H_kv, L, D] (the cache's
+// span); k_new, v_new [B, H_kv, T, D]; prefix bool [1 or B, L]; tree_mask bool [T, T]. bf16, any
+// strides with the last dim contiguous, D 64 or 128. Returns y [B, H, T, D]. A task is 8 of a kv
+// head's G * T query rows: a tree step's 15 (5 rows, 3 query heads a kv head) make 2 tasks a kv head.
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_new,
+                          const at::Tensor& v_new, const at::Tensor& prefix, const at::Tensor& tree_mask) {
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), L = k.size(2);
+  for (auto* t : {&q, &k, &v, &k_new, &v_new})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1, "tree_attention: bf16, last dim contiguous");
+  TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
+  auto pre = prefix.reshape({-1, L}).to(at::kBool).contiguous();
+  auto tm = tree_mask.to(at::kBool).contiguous();
+  auto y = at::empty({B, H, T, D}, q.options());
+  int64_t G = H / Hk, R = G * T, NP = (R + 7) / 8, J = L + T;
+  auto base = [](const at::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); };
+  const uint16_t *qb = base(q), *kb = base(k), *vb = base(v), *knb = base(k_new), *vnb = base(v_new);
+  const bool* preb = pre.data_ptr<bool>();
+  const bool* tmb = tm.data_ptr<bool>();
+  uint16_t* yb = (uint16_t*)y.data_ptr<at::BFloat16>();
+  float scale = 1.f / std::sqrt((float)D);
+  at::parallel_for(0, B * Hk * NP, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<const uint16_t*> krow(J), vrow(J);
+    std::vector<uint8_t> allow(J);
+    // a thread's scratch, kept: a fresh one (about 140 KB at 256 slots) is mapped and faulted in every call
+    static thread_local std::vector<float> buf;
+    buf.resize(std::max<size_t>(buf.size(), 16 * D + 2 * (J + 8) * D + 8 * J + 8));
+    float* qt = (float*)(((uintptr_t)buf.data() + 31) & ~(uintptr_t)31);
+    float *Y = qt + 8 * D, *kf = Y + 8 * D, *vf = kf + (J + 8) * D, *S = vf + J * D;
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = i / (Hk * NP), h = (i / NP) % Hk, p = i % NP;
+      const uint16_t* qrow[8];
+      uint16_t* yrow[8];
+      int nq = (int)std::min<int64_t>(8, R - 8 * p);
+      for (int l = 0; l < 8; l++) {
+        int64_t r = 8 * p + std::min(l, nq - 1), g = r / T, t = r % T;
+        qrow[l] = qb + b * q.stride(0) + (h * G + g) * q.stride(1) + t * q.stride(2);
+        yrow[l] = yb + ((b * H + h * G + g) * T + t) * D;
+      }
+      const bool* pb = preb + (pre.size(0) == 1 ? 0 : b) * L;
+      for (int64_t j = 0; j < L; j++) {
+        krow[j] = kb + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
+        vrow[j] = vb + b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
+        allow[j] = pb[j] ? 0xFF : 0;
+      }
+      for (int64_t u = 0; u < T; u++) {
+        krow[L + u] = knb + b * k_new.stride(0) + h * k_new.stride(1) + u * k_new.stride(2);
+        vrow[L + u] = vnb + b * v_new.stride(0) + h * v_new.stride(1) + u * v_new.stride(2);
+        unsigned a = 0;
+        for (int l = 0; l < nq; l++) a |= tmb[((8 * p + l) % T) * T + u] ? 1u << l : 0u;
+        allow[L + u] = (uint8_t)(a | (0xFFu << nq));  // (lanes past the rows: anything finite)
+      }
+      if (D == 64) attend<64>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, qt, kf, vf, S, Y);
+      else attend<128>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, qt, kf, vf, S, Y);
+    }
+  });
+  return y;
 }
 
 // logits [..., V] bf16 -> [...] int64, the first index of each row's maximum (torch's argmax; NaNs
@@ -199,12 +362,14 @@ at::Tensor topk(const at::Tensor& x, int64_t k) {
 }
 
 TORCH_LIBRARY(treespec, m) {
-  m.def("rows_linear(Tensor x, Tensor wp) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor wp, Tensor? b=None) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("topk(Tensor x, int k) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("rows_linear", &rows_linear);
+  m.impl("tree_attention", &tree_attention);
   m.impl("argmax", &argmax);
   m.impl("topk", &topk);
 }

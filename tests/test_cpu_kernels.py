@@ -54,18 +54,21 @@ def test_avx2_rows_linear_rounds_ties_to_even_and_keeps_inf_and_nan():
 
 
 @avx2
-def test_avx2_install_swaps_bias_free_linears_for_every_row_count(one_thread):
+def test_avx2_install_swaps_linears_and_attention_for_every_row_count(one_thread):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64), nn.Linear(64, 48, bias=False),
                       Attention(ModelArgs(dim=128, n_head=2))).bfloat16()
-    w0 = m[0].weight
+    w0, w1, b1 = m[0].weight, m[1].weight, m[1].bias
     ck.install(m, "cpu", torch.bfloat16)
-    # a bias, or N not a multiple of the kernel's 32 columns: left as they are; attention too
-    assert [type(l) for l in m] == [ck.WideLinear, nn.Linear, nn.Linear, Attention]
+    # N not a multiple of the kernel's 32 columns: left as it is
+    assert [type(l) for l in m] == [ck.WideLinear, ck.WideLinear, nn.Linear, ck.RowsAttention]
     assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
     for rows in (1, 13, 70):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
+        # a bias (EAGLE's fc, Qwen2's q/k/v) joins the fp32 sums, rounded once as F.linear rounds
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(m[1](x).float(), x.float() @ w1.float().T + b1.float(), rtol=2 ** -8 + 1e-5, atol=1e-4)
     fp32 = ck.install(nn.Sequential(nn.Linear(8, 32, bias=False)), "cpu", torch.float32)
     assert type(fp32[0]) is nn.Linear
 
@@ -112,8 +115,9 @@ def test_tiles_linear_is_a_bf16_matmul(K):
                                rtol=2 ** -8 + 1e-5, atol=1e-4)
 
 
-@zen4
-@pytest.mark.parametrize("B,H,H_kv,T,D,L,P", [(1, 9, 3, 8, 64, 530, 512), (1, 9, 3, 16, 64, 530, 300),
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_avx2("cpu", torch.bfloat16)),
+                    reason="the kernel is for CPUs with AVX-512 bf16 and no AMX, or AVX2 only")
+@pytest.mark.parametrize("B,H,H_kv,T,D,L,P", [(1, 9, 3, 8, 64, 530, 512), (1, 9, 3, 5, 64, 261, 250), (1, 9, 3, 16, 64, 530, 300),
                                               (2, 4, 2, 5, 128, 67, 40), (1, 2, 2, 1, 64, 9, 9)])
 def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
     """Strided as the model hands them over (q and the new rows transposed, k and v a slice of the
@@ -241,6 +245,18 @@ def test_eagle_head_attends_with_the_base_kernels():
     assert type(head.head.fc) is ck.TileLinear and head.head.fc.bias is not None
 
 
+@avx2
+def test_avx2_eagle_head_takes_the_base_kernels():
+    """On AVX2 a head's projections, its fc with a bias too, are the base's rows_linear."""
+    from pathlib import Path
+    from checkpoint import load_model
+    from heads import load_heads
+    base, _ = load_model(None, "cpu", torch.bfloat16)
+    head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
+    assert type(head.head.draft_lm) is ck.WideLinear and type(head.head.layer.block.feed_forward.w1) is ck.WideLinear
+    assert type(head.head.fc) is ck.WideLinear and head.head.fc.bias is not None
+
+
 @pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)
                          or ck.wanted_avx2("cpu", torch.bfloat16)),
                     reason="the kernels are for CPUs with AVX-512 bf16 or AVX2")
@@ -344,8 +360,6 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):
         assert "rows_attention" in code and "tiles_linear" in code and "tiles_glu" in code and "rows_linear" not in code
-    elif ck.wanted_avx2("cpu", torch.bfloat16):  # the bias-free projections (wo, the MLP's, the lm_head)
-        assert "rows_linear" in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
     assert ck.has("argmax") == ("treespec::argmax" in code) and torch.equal(top, y[0].argmax(-1))
