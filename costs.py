@@ -22,8 +22,8 @@ from trees import choose_tree, interpolate, split_chain
 # tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
 # CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
 ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
-ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py", "trees.py",
-          "generate.py", "costs.py", "quantize.py")  # whose code the timings time
+ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
+          "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
 
 
 def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, tree=None):

@@ -1,6 +1,6 @@
 """The steps' bf16 kernels for CPUs: with AVX-512 bf16 and without AMX (AMD Zen 4) a tree's rows'
 projections and attention; with AMX (Intel Xeon) every step's projections and a tree's attention;
-with AVX2 only (AMD Zen 3) every projection.
+with AVX2 only (AMD Zen 3) every projection and a tree's attention.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
 ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
@@ -28,11 +28,15 @@ weights to fp32 for every few rows and oneDNN's runs at about 15 GFLOP/s, so a t
 weights packed once (pack_avx2) so that one 32-byte load and two unpacks give 16 columns in fp32,
 each meeting up to 6 rows from registers with FMAs, prefetched 2 KB ahead; 1 row streams the
 weights at about 35 GB/s (inductor's one-row GEMM 22-24) and 4 rows cost about what 1 costs.
+Its tree_attention: 8 of a kv head's query rows a task (the lanes), the keys and values widened to
+fp32 once, scores and weighted values by FMAs; model.tree_attention's torch ops took about 100 us a
+layer there for 5 rows (two aten bmm calls and three loop nests), this 45 (128-192 slots, compiled).
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are,
-written in cpu_kernels.cpp and built with the C++ compiler that inductor needs anyway, once per machine (torch caches the build
-in ~/.cache/torch_extensions); where that fails the step keeps torch's kernels."""
+written in cpu_kernels.cpp or cpu_kernels_avx2.cpp (cpu_kernels.h: what the two share) and built
+with the C++ compiler that inductor needs anyway, once per machine (torch caches the build in
+~/.cache/torch_extensions); where that fails the step keeps torch's kernels."""
 import sys
 from pathlib import Path
 

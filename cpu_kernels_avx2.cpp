@@ -1,17 +1,7 @@
 // The steps' CPU kernels for AVX2 without AVX-512 (AMD Zen 3), torch ops treespec::...: what they do
 // and why is in cpu_kernels.py, which builds this file (or cpu_kernels.cpp) once per machine.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "cpu_kernels.h"
 #include <immintrin.h>
-#include <cstring>
-#include <vector>
-
-static inline float bf16_to_float(uint16_t h) {  // bf16 is fp32's high half
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // y[m][16 columns x NP] for MB rows: the weights come packed as [N/16][K][16] (pack_avx2), so one
 // 32-byte load gives a panel's 16 weights at k, and two unpacks with zero widen them to fp32 (bf16 is
@@ -215,62 +205,22 @@ static void attend(const uint16_t* const* qrow, int nq, const uint16_t* const* k
       _mm_storeu_si128((__m128i*)(yrow[r] + d), to_bf16(_mm256_mul_ps(_mm256_load_ps(Y + r * D + d), _mm256_set1_ps(inv[r]))));
 }
 
-// As model.tree_attention (and cpu_kernels.cpp's): q [B, H, T, D]; k, v [B, H_kv, L, D] (the cache's
-// span); k_new, v_new [B, H_kv, T, D]; prefix bool [1 or B, L]; tree_mask bool [T, T]. bf16, any
-// strides with the last dim contiguous, D 64 or 128. Returns y [B, H, T, D]. A task is 8 of a kv
-// head's G * T query rows: a tree step's 15 (5 rows, 3 query heads a kv head) make 2 tasks a kv head.
+// As model.tree_attention (cpu_kernels.h's tree_attention_tasks): a task is 8 of a kv head's G * T
+// query rows; a tree step's 15 (5 rows, 3 query heads a kv head) make 2 tasks a kv head.
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_new,
                           const at::Tensor& v_new, const at::Tensor& prefix, const at::Tensor& tree_mask) {
-  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), L = k.size(2);
-  for (auto* t : {&q, &k, &v, &k_new, &v_new})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->stride(3) == 1, "tree_attention: bf16, last dim contiguous");
-  TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
-  auto pre = prefix.reshape({-1, L}).to(at::kBool).contiguous();
-  auto tm = tree_mask.to(at::kBool).contiguous();
-  auto y = at::empty({B, H, T, D}, q.options());
-  int64_t G = H / Hk, R = G * T, NP = (R + 7) / 8, J = L + T;
-  auto base = [](const at::Tensor& t) { return (const uint16_t*)t.data_ptr<at::BFloat16>(); };
-  const uint16_t *qb = base(q), *kb = base(k), *vb = base(v), *knb = base(k_new), *vnb = base(v_new);
-  const bool* preb = pre.data_ptr<bool>();
-  const bool* tmb = tm.data_ptr<bool>();
-  uint16_t* yb = (uint16_t*)y.data_ptr<at::BFloat16>();
-  float scale = 1.f / std::sqrt((float)D);
-  at::parallel_for(0, B * Hk * NP, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<const uint16_t*> krow(J), vrow(J);
-    std::vector<uint8_t> allow(J);
+  int64_t D = q.size(3);
+  return tree_attention_tasks<8, uint8_t>(q, k, v, k_new, v_new, prefix, tree_mask,
+      [D](const uint16_t* const* qrow, int nq, const uint16_t* const* krow, const uint16_t* const* vrow,
+          const uint8_t* allow, int64_t J, float scale, uint16_t* const* yrow) {
     // a thread's scratch, kept: a fresh one (about 140 KB at 256 slots) is mapped and faulted in every call
     static thread_local std::vector<float> buf;
     buf.resize(std::max<size_t>(buf.size(), 16 * D + 2 * (J + 8) * D + 8 * J + 8));
     float* qt = (float*)(((uintptr_t)buf.data() + 31) & ~(uintptr_t)31);
     float *Y = qt + 8 * D, *kf = Y + 8 * D, *vf = kf + (J + 8) * D, *S = vf + J * D;
-    for (int64_t i = i0; i < i1; i++) {
-      int64_t b = i / (Hk * NP), h = (i / NP) % Hk, p = i % NP;
-      const uint16_t* qrow[8];
-      uint16_t* yrow[8];
-      int nq = (int)std::min<int64_t>(8, R - 8 * p);
-      for (int l = 0; l < 8; l++) {
-        int64_t r = 8 * p + std::min(l, nq - 1), g = r / T, t = r % T;
-        qrow[l] = qb + b * q.stride(0) + (h * G + g) * q.stride(1) + t * q.stride(2);
-        yrow[l] = yb + ((b * H + h * G + g) * T + t) * D;
-      }
-      const bool* pb = preb + (pre.size(0) == 1 ? 0 : b) * L;
-      for (int64_t j = 0; j < L; j++) {
-        krow[j] = kb + b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
-        vrow[j] = vb + b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
-        allow[j] = pb[j] ? 0xFF : 0;
-      }
-      for (int64_t u = 0; u < T; u++) {
-        krow[L + u] = knb + b * k_new.stride(0) + h * k_new.stride(1) + u * k_new.stride(2);
-        vrow[L + u] = vnb + b * v_new.stride(0) + h * v_new.stride(1) + u * v_new.stride(2);
-        unsigned a = 0;
-        for (int l = 0; l < nq; l++) a |= tmb[((8 * p + l) % T) * T + u] ? 1u << l : 0u;
-        allow[L + u] = (uint8_t)(a | (0xFFu << nq));  // (lanes past the rows: anything finite)
-      }
-      if (D == 64) attend<64>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, qt, kf, vf, S, Y);
-      else attend<128>(qrow, nq, krow.data(), vrow.data(), allow.data(), J, scale, yrow, qt, kf, vf, S, Y);
-    }
+    if (D == 64) attend<64>(qrow, nq, krow, vrow, allow, J, scale, yrow, qt, kf, vf, S, Y);
+    else attend<128>(qrow, nq, krow, vrow, allow, J, scale, yrow, qt, kf, vf, S, Y);
   });
-  return y;
 }
 
 // logits [..., V] bf16 -> [...] int64, the first index of each row's maximum (torch's argmax; NaNs
@@ -310,55 +260,23 @@ at::Tensor argmax(const at::Tensor& x) {
       }
     }
   });
-  auto y = at::empty({M}, x.options().dtype(at::kLong));
-  auto yp = y.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; m++) {
-    int64_t w = 0;  // all NaN (or all -inf): column 0
-    for (int64_t t = 0; t < T; t++)
-      if (best[t * M + m] > best[w * M + m]) w = t;
-    yp[m] = best[w * M + m] == -INFINITY ? 0 : where[w * M + m];
-  }
-  return y.view(x.sizes().slice(0, x.dim() - 1));
+  return argmax_merge(x, T, M, best, where);
 }
 
-// x [..., V] bf16 -> [..., k] int64: the indices of each row's k largest, largest first, the earlier
-// first among equals (torch.sort(stable=True, descending=True)'s first k; NaNs passed over), as
-// cpu_kernels.cpp's with 8 lanes: one pass that keeps the k best in order, 8 columns at a time
-// compared with the k-th.
+// topk (cpu_kernels.h's topk_rows) as cpu_kernels.cpp's with 8 lanes: one pass that keeps the k best
+// in order, 8 columns at a time compared with the k-th.
 at::Tensor topk(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && k >= 1 && k <= 64
-              && k <= x.size(-1), "topk: bf16 [..., V], V a multiple of 16, 1 <= k <= min(V, 64)");
-  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  int64_t M = xs.size(0), V = xs.size(1);
-  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
-  auto y = at::empty({M, k}, x.options().dtype(at::kLong));
-  auto yp = y.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; m++) {
-    float val[64];
-    int64_t* idx = yp + m * k;
-    int64_t n = 0;
+  return topk_rows(x, k, [](const uint16_t* row, int64_t V, Best& best) {
     alignas(32) float lane[8];
     for (int64_t c = 0; c < V; c += 8) {
-      __m256 v = load_bf16(xp + m * V + c);
-      int in = _mm256_movemask_ps(n < k ? _mm256_cmp_ps(v, v, _CMP_ORD_Q)
-                                        : _mm256_cmp_ps(v, _mm256_set1_ps(val[k - 1]), _CMP_GT_OQ));
+      __m256 v = load_bf16(row + c);
+      int in = _mm256_movemask_ps(best.full() ? _mm256_cmp_ps(v, _mm256_set1_ps(best.kth()), _CMP_GT_OQ)
+                                              : _mm256_cmp_ps(v, v, _CMP_ORD_Q));
       if (!in) continue;
       _mm256_store_ps(lane, v);
-      for (; in; in &= in - 1) {
-        int j = __builtin_ctz(in);
-        float u = lane[j];
-        int64_t p;
-        if (n < k) p = n++;
-        else if (u > val[k - 1]) p = k - 1;  // (the k-th may have risen since the compare)
-        else continue;
-        for (; p > 0 && val[p - 1] < u; p--) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; }
-        val[p] = u;
-        idx[p] = c + j;
-      }
+      for (; in; in &= in - 1) best.offer(lane[__builtin_ctz(in)], c + __builtin_ctz(in));
     }
-    for (; n < k; n++) idx[n] = 0;  // fewer than k values that are not NaN
-  }
-  return y.view([&] { auto s = x.sizes().vec(); s.back() = k; return s; }());
+  });
 }
 
 TORCH_LIBRARY(treespec, m) {

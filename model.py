@@ -200,7 +200,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
         return y.transpose(1, 2).reshape(*qkv.shape[:2], -1)
 
-    def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4)
+    def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4 and Zen 3)
         return tree_attention(*args)
 
 
