@@ -208,7 +208,8 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
     its Attentions RowsAttentions, in place; with AMX tiles its FeedForwards (bias-free, N and K
     multiples of 32) become TileFeedForwards, its other nn.Linears (N and K multiples of 32, with or
-    without a bias) TileLinears and its Attentions TileAttentions. Returns model."""
+    without a bias) TileLinears and its Attentions TileAttentions; on AVX2 its nn.Linears (N a multiple
+    of 32, with or without a bias) WideLinears and its Attentions RowsAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
         for m in model.modules():
             if (type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
