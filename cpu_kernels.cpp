@@ -370,34 +370,20 @@ at::Tensor tiles_glu(const at::Tensor& x, const at::Tensor& wp) {
 // wrote from that core, then the runs' maxima meet in order, the earlier winning a tie. (Inductor's
 // max-then-min took 200 us over 13 rows of 49,152, as much as 12 of the tree step's 30 layers' norms.)
 at::Tensor argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && x.size(-1) > 0,
-              "argmax: bf16 [..., V], V a multiple of 16");
-  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  int64_t M = xs.size(0), V = xs.size(1), T = std::min<int64_t>(at::get_num_threads(), V / 16);
-  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
-  std::vector<float> best(T * M);
-  std::vector<int64_t> where(T * M);
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      int64_t c0 = V / 16 * t / T * 16, c1 = V / 16 * (t + 1) / T * 16;
-      for (int64_t m = 0; m < M; m++) {
-        __m512 b = _mm512_set1_ps(-INFINITY);
-        __m512i i = _mm512_set1_epi32((int)c0), at = _mm512_add_epi32(i, _mm512_set_epi32(
-            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-        for (int64_t c = c0; c < c1; c += 16) {  // lane l: the first of its maxima over columns = l mod 16
-          __m512 v = load_bf16(xp + m * V + c);
-          __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
-          b = _mm512_mask_blend_ps(gt, b, v);
-          i = _mm512_mask_blend_epi32(gt, i, at);
-          at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
-        }
-        float mx = _mm512_reduce_max_ps(b);
-        best[t * M + m] = mx;
-        where[t * M + m] = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(b, _mm512_set1_ps(mx), _CMP_EQ_OQ), i);
-      }
+  return argmax_rows<16>(x, [](const uint16_t* row, int64_t c0, int64_t c1) {
+    __m512 b = _mm512_set1_ps(-INFINITY);
+    __m512i i = _mm512_set1_epi32((int)c0), at = _mm512_add_epi32(i, _mm512_set_epi32(
+        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    for (int64_t c = c0; c < c1; c += 16) {  // lane l: the first of its maxima over columns = l mod 16
+      __m512 v = load_bf16(row + c);
+      __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+      b = _mm512_mask_blend_ps(gt, b, v);
+      i = _mm512_mask_blend_epi32(gt, i, at);
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
     }
+    float mx = _mm512_reduce_max_ps(b);
+    return std::pair<float, int64_t>(mx, _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(b, _mm512_set1_ps(mx), _CMP_EQ_OQ), i));
   });
-  return argmax_merge(x, T, M, best, where);
 }
 
 // x [..., V] bf16 -> [..., k] int64: the indices of each row's k largest, largest first, the earlier

@@ -13,17 +13,31 @@ static inline float bf16_to_float(uint16_t h) {  // bf16 is fp32's high half
   return f;
 }
 
-// argmax's end: T threads' maxima of each of M rows (best, where [T][M]) -> [M] int64, the earlier
-// thread winning a tie; a row all NaN (or all -inf): column 0
-static at::Tensor argmax_merge(const at::Tensor& x, int64_t T, int64_t M, const std::vector<float>& best,
-                               const std::vector<int64_t>& where) {
+// x [..., V] bf16 -> [...] int64, the first index of each row's maximum (torch's argmax; NaNs
+// passed over). Each thread takes a run of columns of every row (multiples of LANES), then the
+// runs' maxima meet in order, the earlier winning a tie; a row all NaN (or all -inf): column 0.
+// run(row, c0, c1) -> (the maximum of row[c0, c1), its first column).
+template <int LANES, class Run>
+static at::Tensor argmax_rows(const at::Tensor& x, Run run) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && x.size(-1) > 0,
+              "argmax: bf16 [..., V], V a multiple of 16");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), V = xs.size(1), T = std::min<int64_t>(at::get_num_threads(), V / LANES);
+  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
+  std::vector<std::pair<float, int64_t>> best(T * M);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t c0 = V / LANES * t / T * LANES, c1 = V / LANES * (t + 1) / T * LANES;
+      for (int64_t m = 0; m < M; m++) best[t * M + m] = run(xp + m * V, c0, c1);
+    }
+  });
   auto y = at::empty({M}, x.options().dtype(at::kLong));
   auto yp = y.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; m++) {
     int64_t w = 0;
     for (int64_t t = 0; t < T; t++)
-      if (best[t * M + m] > best[w * M + m]) w = t;
-    yp[m] = best[w * M + m] == -INFINITY ? 0 : where[w * M + m];
+      if (best[t * M + m].first > best[w * M + m].first) w = t;
+    yp[m] = best[w * M + m].first == -INFINITY ? 0 : best[w * M + m].second;
   }
   return y.view(x.sizes().slice(0, x.dim() - 1));
 }

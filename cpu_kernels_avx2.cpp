@@ -50,9 +50,13 @@ static inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
+static inline __m256 load_bf16(const uint16_t* p) {  // 8 bf16 -> fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // y [..., N] = x [..., K] @ w^T (+ b, in fp32 before the one rounding, as F.linear), w packed by
-// pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a multiple of 32. A thread's task is 32 columns (two panels, read in order); its rows go 6 at a time
-// (6 x 2 accumulators, 2 weight vectors and a broadcast fill the 16 registers), the panels' later
+// pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a multiple of 32. A thread's task is 32 columns
+// (two panels, read in order); its rows go 6 at a time (6 x 2 accumulators, 2 weight vectors and a broadcast fill the 16 registers), the panels' later
 // reads from L1/L2; 1 or 2 rows take both panels at once, for more independent sums in flight.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3
@@ -69,12 +73,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::opt
   const float* xp = xf.data();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
   auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
-  std::vector<float> bias(N, 0.f);
-  if (b) {
-    auto bc = b->contiguous();
-    auto bb = (const uint16_t*)bc.data_ptr<at::BFloat16>();
-    for (int64_t n = 0; n < N; n++) bias[n] = bf16_to_float(bb[n]);
-  }
+  at::Tensor bc = b ? b->contiguous() : at::Tensor();
+  auto bp = b ? (const uint16_t*)bc.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, N / 32, 1, [&](int64_t t0, int64_t t1) {
     alignas(32) float acc[6][64];
     for (int64_t t = t0; t < t1; t++) {
@@ -97,19 +97,17 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::opt
             }
         }
         for (int r = 0; r < mb; r++)
-          for (int j = 0; j < 4; j++)
-            _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j),
-                             to_bf16(_mm256_add_ps(_mm256_load_ps(&acc[r][8 * j]), _mm256_loadu_ps(&bias[32 * t + 8 * j]))));
+          for (int j = 0; j < 4; j++) {
+            __m256 v = _mm256_load_ps(&acc[r][8 * j]);
+            if (bp) v = _mm256_add_ps(v, load_bf16(bp + 32 * t + 8 * j));
+            _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j), to_bf16(v));
+          }
       }
     }
   });
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
-}
-
-static inline __m256 load_bf16(const uint16_t* p) {  // 8 bf16 -> fp32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
 // e^x for x <= 0: 2^n e^f with |f| <= ln2/2, a degree-6 Taylor polynomial (rel. error ~2e-7); below
@@ -223,44 +221,28 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   });
 }
 
-// logits [..., V] bf16 -> [...] int64, the first index of each row's maximum (torch's argmax; NaNs
-// passed over), as cpu_kernels.cpp's with 8 lanes: each thread a run of columns of every row, then
-// the runs' maxima meet in order, the earlier winning a tie.
+// argmax (cpu_kernels.h's argmax_rows) as cpu_kernels.cpp's, with 8 lanes
 at::Tensor argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 16 == 0 && x.size(-1) > 0,
-              "argmax: bf16 [..., V], V a multiple of 16");
-  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  int64_t M = xs.size(0), V = xs.size(1), T = std::min<int64_t>(at::get_num_threads(), V / 8);
-  auto xp = (const uint16_t*)xs.data_ptr<at::BFloat16>();
-  std::vector<float> best(T * M);
-  std::vector<int64_t> where(T * M);
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      int64_t c0 = V / 8 * t / T * 8, c1 = V / 8 * (t + 1) / T * 8;
-      for (int64_t m = 0; m < M; m++) {
-        __m256 b = _mm256_set1_ps(-INFINITY);
-        __m256i i = _mm256_set1_epi32((int)c0), at = _mm256_add_epi32(i, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        for (int64_t c = c0; c < c1; c += 8) {  // lane l: the first of its maxima over columns = l mod 8
-          __m256 v = load_bf16(xp + m * V + c);
-          __m256 gt = _mm256_cmp_ps(v, b, _CMP_GT_OQ);
-          b = _mm256_blendv_ps(b, v, gt);
-          i = _mm256_blendv_epi8(i, at, _mm256_castps_si256(gt));
-          at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
-        }
-        alignas(32) float bl[8];
-        alignas(32) int32_t il[8];
-        _mm256_store_ps(bl, b);
-        _mm256_store_si256((__m256i*)il, i);
-        float mx = bl[0];
-        int32_t at_mx = il[0];
-        for (int l = 1; l < 8; l++)
-          if (bl[l] > mx || (bl[l] == mx && il[l] < at_mx)) { mx = bl[l]; at_mx = il[l]; }
-        best[t * M + m] = mx;
-        where[t * M + m] = at_mx;
-      }
+  return argmax_rows<8>(x, [](const uint16_t* row, int64_t c0, int64_t c1) {
+    __m256 b = _mm256_set1_ps(-INFINITY);
+    __m256i i = _mm256_set1_epi32((int)c0), at = _mm256_add_epi32(i, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t c = c0; c < c1; c += 8) {  // lane l: the first of its maxima over columns = l mod 8
+      __m256 v = load_bf16(row + c);
+      __m256 gt = _mm256_cmp_ps(v, b, _CMP_GT_OQ);
+      b = _mm256_blendv_ps(b, v, gt);
+      i = _mm256_blendv_epi8(i, at, _mm256_castps_si256(gt));
+      at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
     }
+    alignas(32) float bl[8];
+    alignas(32) int32_t il[8];
+    _mm256_store_ps(bl, b);
+    _mm256_store_si256((__m256i*)il, i);
+    float mx = bl[0];
+    int32_t at_mx = il[0];
+    for (int l = 1; l < 8; l++)
+      if (bl[l] > mx || (bl[l] == mx && il[l] < at_mx)) { mx = bl[l]; at_mx = il[l]; }
+    return std::pair<float, int64_t>(mx, at_mx);
   });
-  return argmax_merge(x, T, M, best, where);
 }
 
 // topk (cpu_kernels.h's topk_rows) as cpu_kernels.cpp's with 8 lanes: one pass that keeps the k best
