@@ -285,6 +285,8 @@ def run(args):
                          "set; give other prompts (data/calibrate.jsonl)")
     if args.acceptance and not args.heads:
         raise ValueError("--acceptance measures draft heads: give --heads")
+    if args.acceptance and not Path(args.heads).is_dir():  # before the model loads
+        raise ValueError(f"--acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
     if args.acceptance:
         read_prompts(args.acceptance)  # a bad file fails before the model loads
     if args.spec_bench and not args.heads:
@@ -442,8 +444,6 @@ def measure_acceptance(args, model, tok, head):
     mc_sim_7b_63 without them) and a lookup chain 8 deep (how deep `auto` may then make its chain),
     kept as acceptance.json's "step" beside the held-out counts."""
     path = Path(args.heads) / "acceptance.json"
-    if not Path(args.heads).is_dir():
-        raise ValueError(f"--acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
     acc = json.loads(path.read_text()) if path.is_file() else {}
     inner = head.head if isinstance(head, WithLookup) else head
     limit = getattr(inner, "num_heads", 0)
