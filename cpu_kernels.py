@@ -90,6 +90,7 @@ def build() -> bool:
                                         "-mamx-tile", "-mamx-bf16"]))
         fakes = {
             "rows_linear": lambda x, wp, b=None: x.new_empty(*x.shape[:-1], 16 * wp.shape[0]),
+            "rows_glu": lambda x, wp: x.new_empty(*x.shape[:-1], 8 * wp.shape[0]),
             "tree_attention": lambda q, k, v, k_new, v_new, prefix, tree_mask:
                 torch.empty_like(q, memory_format=torch.contiguous_format),
             "tiles_linear": lambda x, wp, b: x.new_empty(*x.shape[:-1], 32 * wp.shape[0]),
@@ -124,6 +125,12 @@ def pack_avx2(w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     order = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15], device=w.device)
     return w.detach().view(N // 16, 16, K)[:, order].transpose(1, 2).contiguous()
+
+
+def pack_glu_avx2(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """w1, w3 [N, K] -> pack_avx2 of [2N, K] holding w1's first 16 rows, w3's, w1's next 16, ... (rows_glu's layout)."""
+    N, K = w1.shape
+    return pack_avx2(torch.stack([w1.detach().view(N // 16, 16, K), w3.detach().view(N // 16, 16, K)], 1).view(2 * N, K))
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -179,6 +186,16 @@ class WideLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class WideFeedForward(FeedForward):
+    """FeedForward whose bf16 forward makes silu(w1(x)) * w3(x) in one AVX2 rows_glu call on a packed
+    copy of w1 and w3 (pack_glu_avx2), any number of rows."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16:
+            return self.w2(torch.ops.treespec.rows_glu(x, self.packed))
+        return super().forward(x)
+
+
 class RowsAttention(Attention):
     """Attention whose bf16 tree attention is the tree_attention kernel."""
 
@@ -208,8 +225,9 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
     its Attentions RowsAttentions, in place; with AMX tiles its FeedForwards (bias-free, N and K
     multiples of 32) become TileFeedForwards, its other nn.Linears (N and K multiples of 32, with or
-    without a bias) TileLinears and its Attentions TileAttentions; on AVX2 its nn.Linears (N a multiple
-    of 32, with or without a bias) WideLinears and its Attentions RowsAttentions. Returns model."""
+    without a bias) TileLinears and its Attentions TileAttentions; on AVX2 its FeedForwards (bias-free,
+    N a multiple of 16) WideFeedForwards, its other nn.Linears (N a multiple of 32, with or without a
+    bias) WideLinears and its Attentions RowsAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
         for m in model.modules():
             if (type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
@@ -228,9 +246,15 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
                 m.__class__ = TileLinear
     elif wanted_avx2(device, dtype) and build():
         for m in model.modules():
+            if type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
+                                              and l.weight.shape[0] % 16 == 0 for l in (m.w1, m.w3)):
+                m.register_buffer("packed", pack_glu_avx2(m.w1.weight, m.w3.weight), persistent=False)
+                m.__class__ = WideFeedForward
+        glu = {l for m in model.modules() if type(m) is WideFeedForward for l in (m.w1, m.w3)}
+        for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = RowsAttention
-            elif (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
+            elif m not in glu and (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
                   and m.weight.shape[0] % 32 == 0):
                 m.register_buffer("packed", pack_avx2(m.weight), persistent=False)
                 m.__class__ = WideLinear

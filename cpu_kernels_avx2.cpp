@@ -54,28 +54,25 @@ static inline __m256 load_bf16(const uint16_t* p) {  // 8 bf16 -> fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// y [..., N] = x [..., K] @ w^T (+ b, in fp32 before the one rounding, as F.linear), w packed by
-// pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a multiple of 32. A thread's task is 32 columns
-// (two panels, read in order); its rows go 6 at a time (6 x 2 accumulators, 2 weight vectors and a broadcast fill the 16 registers), the panels' later
-// reads from L1/L2; 1 or 2 rows take both panels at once, for more independent sums in flight.
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3
-              && wp.size(2) == 16 && wp.size(0) % 2 == 0 && x.size(-1) == wp.size(1) && wp.is_contiguous(),
-              "rows_linear: bf16 x [..., K] and packed w [N/16, K, 16], N a multiple of 32");
-  TORCH_CHECK(!b || (b->scalar_type() == at::kBFloat16 && b->numel() == 16 * wp.size(0)), "rows_linear: bf16 bias [N]");
-  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  int64_t M = xs.size(0), K = xs.size(1), N = 16 * wp.size(0), panel = 16 * K;
-  auto y = at::empty({M, N}, x.options());
-  // x widened once, read by every task (here, not by aten's conversion: a token's 150 calls a step)
+static inline __m256 round_bf16(__m256 v) {  // fp32 -> the nearest bf16, as fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// What rows_linear and rows_glu share: x [M, K] widened once, read by every task (here, not by aten's
+// conversion: a token's 120-150 calls a step); a thread's task is two panels (32 packed columns, read in
+// order) of every row, the rows 6 at a time (6 x 2 accumulators, 2 weight vectors and a broadcast fill
+// the 16 registers), the panels' later reads from L1/L2; 1 or 2 rows take both panels at once, for more
+// independent sums in flight. done(t, m, mb, acc): task t's sums for rows m..m+mb-1, acc[r][0..15] the
+// first panel's columns, acc[r][16..31] the second's.
+template <class Done>
+static void rows_tasks(const at::Tensor& xs, const at::Tensor& wp, const Done& done) {
+  int64_t M = xs.size(0), K = xs.size(1), panel = 16 * K;
   std::vector<float> xf(M * K);
   auto xb = (const uint16_t*)xs.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_float(xb[i]);
   const float* xp = xf.data();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
-  auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
-  at::Tensor bc = b ? b->contiguous() : at::Tensor();
-  auto bp = b ? (const uint16_t*)bc.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, N / 32, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, wp.size(0) / 2, 1, [&](int64_t t0, int64_t t1) {
     alignas(32) float acc[6][64];
     for (int64_t t = t0; t < t1; t++) {
       const uint16_t* w = wq + 2 * t * panel;
@@ -96,14 +93,61 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::opt
               }
             }
         }
-        for (int r = 0; r < mb; r++)
-          for (int j = 0; j < 4; j++) {
-            __m256 v = _mm256_load_ps(&acc[r][8 * j]);
-            if (bp) v = _mm256_add_ps(v, load_bf16(bp + 32 * t + 8 * j));
-            _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j), to_bf16(v));
-          }
+        done(t, m, mb, acc);
       }
     }
+  });
+}
+
+// y [..., N] = x [..., K] @ w^T (+ b, in fp32 before the one rounding, as F.linear), w packed by
+// pack_avx2 as wp [N/16, K, 16]; bf16 in and out, N a multiple of 32.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3
+              && wp.size(2) == 16 && wp.size(0) % 2 == 0 && x.size(-1) == wp.size(1) && wp.is_contiguous(),
+              "rows_linear: bf16 x [..., K] and packed w [N/16, K, 16], N a multiple of 32");
+  TORCH_CHECK(!b || (b->scalar_type() == at::kBFloat16 && b->numel() == 16 * wp.size(0)), "rows_linear: bf16 bias [N]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), N = 16 * wp.size(0);
+  auto y = at::empty({M, N}, x.options());
+  auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  at::Tensor bc = b ? b->contiguous() : at::Tensor();
+  auto bp = b ? (const uint16_t*)bc.data_ptr<at::BFloat16>() : nullptr;
+  rows_tasks(xs, wp, [&](int64_t t, int64_t m, int mb, float (*acc)[64]) {
+    for (int r = 0; r < mb; r++)
+      for (int j = 0; j < 4; j++) {
+        __m256 v = _mm256_load_ps(&acc[r][8 * j]);
+        if (bp) v = _mm256_add_ps(v, load_bf16(bp + 32 * t + 8 * j));
+        _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 32 * t + 8 * j), to_bf16(v));
+      }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // libtorch_cpu's, which inductor's exp calls
+
+// SwiGLU's first half, y [..., N] = silu(x @ w1^T) * (x @ w3^T), w1 and w3 [N, K] packed by
+// pack_glu_avx2: per 16 columns w1's panel then w3's, so that a task's two panels are one thread's
+// gate and up of the same columns, in one call (two, and inductor's SiLU-mul kernel between them,
+// cost 18 us a layer more in a token step on a Zen 3). As the compiled model rounds: each product to
+// bf16, then silu and the multiply in fp32 (Sleef's exp, IEEE division) and one rounding.
+at::Tensor rows_glu(const at::Tensor& x, const at::Tensor& wp) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3
+              && wp.size(2) == 16 && wp.size(0) % 2 == 0 && x.size(-1) == wp.size(1) && wp.is_contiguous(),
+              "rows_glu: bf16 x [..., K] and packed w1, w3 [2N/16, K, 16]");
+  auto xs = x.reshape({-1, x.size(-1)}).contiguous();
+  int64_t M = xs.size(0), N = 8 * wp.size(0);
+  auto y = at::empty({M, N}, x.options());
+  auto yp = (uint16_t*)y.data_ptr<at::BFloat16>();
+  rows_tasks(xs, wp, [&](int64_t t, int64_t m, int mb, float (*acc)[64]) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int r = 0; r < mb; r++)
+      for (int j = 0; j < 2; j++) {
+        __m256 a = round_bf16(_mm256_load_ps(&acc[r][8 * j])), u = round_bf16(_mm256_load_ps(&acc[r][16 + 8 * j]));
+        __m256 s = _mm256_div_ps(a, _mm256_add_ps(Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), a)), one));
+        _mm_storeu_si128((__m128i*)(yp + (m + r) * N + 16 * t + 8 * j), to_bf16(_mm256_mul_ps(s, u)));
+      }
   });
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -263,12 +307,14 @@ at::Tensor topk(const at::Tensor& x, int64_t k) {
 
 TORCH_LIBRARY(treespec, m) {
   m.def("rows_linear(Tensor x, Tensor wp, Tensor? b=None) -> Tensor");
+  m.def("rows_glu(Tensor x, Tensor wp) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor k_new, Tensor v_new, Tensor prefix, Tensor tree_mask) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("topk(Tensor x, int k) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("rows_linear", &rows_linear);
+  m.impl("rows_glu", &rows_glu);
   m.impl("tree_attention", &tree_attention);
   m.impl("argmax", &argmax);
   m.impl("topk", &topk);

@@ -1,5 +1,5 @@
 """The steps' CPU kernels (cpu_kernels.py): rows_linear and tiles_linear are bf16 matmuls for every
-row count (their blocks and tails), tiles_glu is the compiled SwiGLU's silu(gate) * up,
+row count (their blocks and tails), tiles_glu and rows_glu are the compiled SwiGLU's silu(gate) * up,
 tree_attention is model.tree_attention, rows_attention is RoPE, the cache writes and SDPA, install swaps what it should (once),
 argmax is torch's, and a compiled bf16 tree forward calls them and agrees with the fp32 one."""
 import pytest
@@ -71,6 +71,34 @@ def test_avx2_install_swaps_linears_and_attention_for_every_row_count(one_thread
         torch.testing.assert_close(m[1](x).float(), x.float() @ w1.float().T + b1.float(), rtol=2 ** -8 + 1e-5, atol=1e-4)
     fp32 = ck.install(nn.Sequential(nn.Linear(8, 32, bias=False)), "cpu", torch.float32)
     assert type(fp32[0]) is nn.Linear
+    f = FeedForward(ModelArgs(dim=64, intermediate_size=48)).bfloat16()
+    ck.install(f, "cpu", torch.bfloat16)  # w1 and w3 packed together, for rows_glu; w2 alone
+    assert type(f) is ck.WideFeedForward and [type(l) for l in (f.w1, f.w2, f.w3)] == [nn.Linear, ck.WideLinear, nn.Linear]
+    ck.install(f, "cpu", torch.bfloat16)  # again: w1 and w3 stay plain (no second packed copy)
+    assert [type(l) for l in (f.w1, f.w3)] == [nn.Linear, nn.Linear]
+    for rows in (1, 13, 70):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(f(x), f.w2(torch.ops.treespec.rows_glu(x, ck.pack_glu_avx2(f.w1.weight, f.w3.weight))))
+
+
+@avx2
+@pytest.mark.parametrize("K", [1, 576])
+def test_avx2_rows_glu_is_silu_gate_times_up(K):
+    """Bit for bit what the compiled FeedForward makes of rows_linear's two projections: each rounded
+    to bf16, silu and the product in fp32 (torch's exp, as inductor's), rounded once; a row alone the same."""
+    assert ck.build()
+    g = torch.Generator().manual_seed(K)
+    w1, w3 = (torch.randn(48, K, generator=g).mul(0.1).bfloat16() for _ in range(2))  # 3 tasks of 16 columns
+    wp = ck.pack_glu_avx2(w1, w3)
+    assert wp.shape == (6, K, 16) and torch.equal(wp[2], ck.pack_avx2(w1)[1]) and torch.equal(wp[5], ck.pack_avx2(w3)[2])
+    alone = torch.randn(1, K, generator=g).bfloat16()
+    for M in range(1, 14):  # 1 and 2 rows' wide tile, blocks of 6 rows and every remainder
+        x = torch.randn(2, M, K, generator=g).bfloat16()
+        a, b = (torch.ops.treespec.rows_linear(x, ck.pack_avx2(torch.cat([w, w]))).float()[..., :48] for w in (w1, w3))
+        y = torch.ops.treespec.rows_glu(x, wp)
+        assert y.shape == (2, M, 48) and torch.equal(y, (a / (1 + torch.exp(-a)) * b).bfloat16())
+        x[1, M // 2] = alone
+        assert torch.equal(torch.ops.treespec.rows_glu(x, wp)[1, M // 2], torch.ops.treespec.rows_glu(alone, wp)[0])
 
 
 @zen4
@@ -253,7 +281,7 @@ def test_avx2_eagle_head_takes_the_base_kernels():
     from heads import load_heads
     base, _ = load_model(None, "cpu", torch.bfloat16)
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
-    assert type(head.head.draft_lm) is ck.WideLinear and type(head.head.layer.block.feed_forward.w1) is ck.WideLinear
+    assert type(head.head.draft_lm) is ck.WideLinear and type(head.head.layer.block.feed_forward) is ck.WideFeedForward
     assert type(head.head.fc) is ck.WideLinear and head.head.fc.bias is not None
 
 
@@ -362,5 +390,6 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         assert "rows_attention" in code and "tiles_linear" in code and "tiles_glu" in code and "rows_linear" not in code
     else:
         assert "rows_linear" in code and "tree_attention" in code
+        assert ("rows_glu" in code) == ck.wanted_avx2("cpu", torch.bfloat16)
     assert ck.has("argmax") == ("treespec::argmax" in code) and torch.equal(top, y[0].argmax(-1))
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())
