@@ -28,7 +28,8 @@ weights to fp32 for every few rows and oneDNN's runs at about 15 GFLOP/s, so a t
 weights packed once (pack_avx2) so that one 32-byte load and two unpacks give 16 columns in fp32,
 each meeting up to 6 rows from registers with FMAs, prefetched 2 KB ahead; 1 row streams the
 weights at about 35 GB/s (inductor's one-row GEMM 22-24) and 4 rows cost about what 1 costs.
-Its tree_attention: 8 of a kv head's query rows a task (the lanes), the keys and values widened to
+Its rows_glu: rows_linear's loop over w1 and w3 packed together (pack_glu_avx2), silu(gate) * up in
+one call, as tiles_glu. Its tree_attention: 8 of a kv head's query rows a task (the lanes), the keys and values widened to
 fp32 once, scores and weighted values by FMAs; model.tree_attention's torch ops took about 100 us a
 layer there for 5 rows (two aten bmm calls and three loop nests), this 45 (128-192 slots, compiled).
 
