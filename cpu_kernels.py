@@ -222,6 +222,18 @@ class TileAttention(Attention):
         return super().rows_attention(qkv, freqs_cis, mask, cache_pos)
 
 
+def swap_glu(model: nn.Module, dtype, cls, pack, fits) -> set:
+    """model's FeedForwards whose w1 and w3 are bias-free dtype nn.Linears of a shape [N, K] that
+    fits(N, K) become cls, with w1 and w3 packed together by pack, in place. Returns the w1 and w3 of
+    every cls (also one swapped by an earlier install): their packed copy is in it, not beside them."""
+    for m in model.modules():
+        if type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
+                                          and fits(*l.weight.shape) for l in (m.w1, m.w3)):
+            m.register_buffer("packed", pack(m.w1.weight, m.w3.weight), persistent=False)
+            m.__class__ = cls
+    return {l for m in model.modules() if type(m) is cls for l in (m.w1, m.w3)}
+
+
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
     its Attentions RowsAttentions, in place; with AMX tiles its FeedForwards (bias-free, N and K
@@ -230,14 +242,7 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
     N a multiple of 16) WideFeedForwards, its other nn.Linears (N a multiple of 32, with or without a
     bias) WideLinears and its Attentions RowsAttentions. Returns model."""
     if wanted_tiles(device, dtype) and build():
-        for m in model.modules():
-            if (type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
-                                               for l in (m.w1, m.w3))
-                    and m.w1.weight.shape[0] % 32 == 0 and m.w1.weight.shape[1] % 32 == 0):
-                m.register_buffer("packed", pack_glu(m.w1.weight, m.w3.weight), persistent=False)
-                m.__class__ = TileFeedForward
-        # a TileFeedForward's w1 and w3 have their packed copy in it (also when installed twice)
-        glu = {l for m in model.modules() if type(m) is TileFeedForward for l in (m.w1, m.w3)}
+        glu = swap_glu(model, dtype, TileFeedForward, pack_glu, lambda N, K: N % 32 == 0 and K % 32 == 0)
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = TileAttention
@@ -246,12 +251,7 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
                 m.register_buffer("packed", pack_tiles(m.weight), persistent=False)
                 m.__class__ = TileLinear
     elif wanted_avx2(device, dtype) and build():
-        for m in model.modules():
-            if type(m) is FeedForward and all(type(l) is nn.Linear and l.bias is None and l.weight.dtype == dtype
-                                              and l.weight.shape[0] % 16 == 0 for l in (m.w1, m.w3)):
-                m.register_buffer("packed", pack_glu_avx2(m.w1.weight, m.w3.weight), persistent=False)
-                m.__class__ = WideFeedForward
-        glu = {l for m in model.modules() if type(m) is WideFeedForward for l in (m.w1, m.w3)}
+        glu = swap_glu(model, dtype, WideFeedForward, pack_glu_avx2, lambda N, K: N % 16 == 0)
         for m in model.modules():
             if type(m) is Attention:
                 m.__class__ = RowsAttention
