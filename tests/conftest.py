@@ -19,6 +19,12 @@ import checkpoint  # noqa: E402
 import distill  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest.ini runs two workers, one a core: each on one intra-op thread, or OpenMP's spin-waiting
+    # threads of one worker take the other's core (see one_thread). Tests of the kernels' split
+    # across threads set their own count (two_threads).
+    torch.set_num_threads(1)
+
 TINY_VOCAB = 260  # 256 byte tokens, <|endoftext|>, and a few unused ids
 
 
