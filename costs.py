@@ -242,15 +242,17 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
 
     def choose(overhead=(0.0, 0.0)):
-        # Reading between timed sizes misses a kernel's steps (int8 GEMMs work in 4-row tiles: 5 rows
-        # cost what 8 do), so time the size chosen, once (cached), and choose again until it is timed,
-        # in the same turns as the timed sizes on either side of it, to which cached_costs maps it.
-        # (Every size again each time cost minutes a round when the choice moved on to another size.)
+        # Sizes between timed ones are read at the least they may cost, and the size chosen is timed,
+        # once (cached), and the choice made again until it is a timed size: then no other size can
+        # beat it, unless a kernel's steps break the rising slope (int8 GEMMs work in 4-row tiles: 5
+        # rows cost what 8 do), which timing the chosen size catches too. A new size is timed in the
+        # same turns as the timed sizes on either side of it, to which cached_costs maps it. (Every
+        # size again each time cost minutes a round when the choice moved on to another size.)
         nonlocal t_verify
         pick = lambda: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
-                                   both=both, overhead=overhead)
+                                   both=both, overhead=overhead, least=True)
         choice = pick()
-        for _ in range(3):
+        for _ in range(4):
             N = choice["nodes"]
             if choice["paths"] is None or N in t_verify:
                 break

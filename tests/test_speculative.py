@@ -801,6 +801,35 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     assert G.resolve_tree(model, head, folder, "auto", "cpu") == "tree16"
 
 
+def test_auto_tree_finds_the_best_size_between_timed_sizes(tmp_path, monkeypatch):
+    """Forwards that cost what one row costs up to 6 rows, then more a row (as on a CPU): the timed
+    sizes (1, 4, 16, 64) put 5 and 6 rows on the line from 4 to 16, dearer than they are. auto reads
+    them at the least they may cost, times the size it chooses and chooses again: it ends on the tree
+    that the full table of costs chooses, which the line alone misses."""
+    import json
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
+    model, head = tiny_model(), randomize(make_head("hydra", TINY), 1)
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    acc = dict(roots=10, paths=[[0], [1], [2], [0, 0], [1, 0]], counts=[8, 1, 1, 6, 1])
+    (folder / "acceptance.json").write_text(json.dumps(acc))
+    f = lambda N: 2e-3 + 1e-3 * max(0, N - 6)
+    timed = []
+    monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, tree=None, **k:
+                        timed.append(list(rows)) or ({N: f(N) for N in rows}, {d: 0.2e-3 * d for d in depths},
+                                                     {"ar": 2.1e-3, "spec": 3e-3} if tree else {}))
+    G.resolve_tree(model, head, folder, "auto", "cpu")
+    c = G.resolve_tree.choice
+    verify, t_draft = costs.measured_costs(model, head, folder, "cpu", depths=(1, 2))
+    counts = {tuple(p): n for p, n in zip(acc["paths"], acc["counts"])}
+    full = T.choose_tree(counts, 10, {N: f(N) for N in range(1, 65)}, t_draft, overhead=tuple(c["overhead"]))
+    grid = T.choose_tree(counts, 10, {N: f(N) for N in costs.ROWS}, t_draft, overhead=tuple(c["overhead"]))
+    assert c["nodes"] in verify and c["nodes"] not in costs.ROWS, timed
+    assert (c["paths"], c["speedup"]) == (full["paths"], pytest.approx(full["speedup"]))
+    assert grid["nodes"] != c["nodes"]
+
+
 def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_path):
     """bench.py --acceptance notes, at each step of a big tree, the deepest head node and the lookup
     tokens the base accepted. Over a decode they add up to what the step accepted; and since a node's
