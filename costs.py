@@ -20,8 +20,10 @@ from heads import WithLookup, draft_static, plan_to, static_plan
 from trees import choose_tree, interpolate, split_chain
 
 # tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
-# CPU shape costs 1-2 minutes to build, so few); bench.py --rows times every power of two
-ROWS, DEPTHS = (1, 4, 16, 64), (1, 4)
+# CPU shape costs 1-2 minutes to build, so few; with 8 rows the slope below 9-15 rows is near what
+# they cost, and `auto` times fewer sizes between: on a Zen 3 3 against 7); bench.py --rows times
+# every power of two
+ROWS, DEPTHS = (1, 4, 8, 16, 64), (1, 4)
 ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
           "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
 

@@ -803,7 +803,7 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
 
 def test_auto_tree_finds_the_best_size_between_timed_sizes(tmp_path, monkeypatch):
     """Forwards that cost what one row costs up to 6 rows, then more a row (as on a CPU): the timed
-    sizes (1, 4, 16, 64) put 5 and 6 rows on the line from 4 to 16, dearer than they are. auto reads
+    sizes (costs.ROWS) put 5 and 6 rows on the line from 4 to the next, dearer than they are. auto reads
     them at the least they may cost, times the size it chooses and chooses again: it ends on the tree
     that the full table of costs chooses, which the line alone misses."""
     import json
