@@ -187,6 +187,16 @@ def no_recompiles():
         yield
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for one test, whatever the process runs on (one under pytest.ini's two
+    workers): the kernels split their tasks across threads, and a test of a kernel checks the split."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread (modules take it with `pytestmark`): tiny models' ops are microseconds

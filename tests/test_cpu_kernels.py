@@ -19,7 +19,7 @@ avx2 = pytest.mark.skipif(not ck.wanted_avx2("cpu", torch.bfloat16), reason="the
 
 @avx2
 @pytest.mark.parametrize("K", [1, 100, 576])
-def test_avx2_rows_linear_is_a_bf16_matmul(K):
+def test_avx2_rows_linear_is_a_bf16_matmul(K, two_threads):
     assert ck.build()
     g = torch.Generator().manual_seed(K)
     w = torch.randn(96, K, generator=g).bfloat16()  # 3 tasks of 32 columns
@@ -83,7 +83,7 @@ def test_avx2_install_swaps_linears_and_attention_for_every_row_count(one_thread
 
 @avx2
 @pytest.mark.parametrize("K", [1, 576])
-def test_avx2_rows_glu_is_silu_gate_times_up(K):
+def test_avx2_rows_glu_is_silu_gate_times_up(K, two_threads):
     """Bit for bit what the compiled FeedForward makes of rows_linear's two projections: each rounded
     to bf16, silu and the product in fp32 (torch's exp, as inductor's), rounded once; a row alone the same."""
     assert ck.build()
@@ -103,7 +103,7 @@ def test_avx2_rows_glu_is_silu_gate_times_up(K):
 
 @zen4
 @pytest.mark.parametrize("K", [64, 100, 576])
-def test_rows_linear_is_a_bf16_matmul(K):
+def test_rows_linear_is_a_bf16_matmul(K, two_threads):
     assert ck.build()
     g = torch.Generator().manual_seed(K)
     w = torch.randn(80, K, generator=g).bfloat16()  # 5 panels of 16 columns: a block of 3 and one of 2
@@ -124,7 +124,7 @@ def test_rows_linear_is_a_bf16_matmul(K):
 
 @amx
 @pytest.mark.parametrize("K", [64, 576])
-def test_tiles_linear_is_a_bf16_matmul(K):
+def test_tiles_linear_is_a_bf16_matmul(K, two_threads):
     assert ck.build()
     g = torch.Generator().manual_seed(K)
     w = torch.randn(96, K, generator=g).bfloat16()  # 3 groups of 32 columns
@@ -147,7 +147,7 @@ def test_tiles_linear_is_a_bf16_matmul(K):
                     reason="the kernel is for CPUs with AVX-512 bf16 and no AMX, or AVX2 only")
 @pytest.mark.parametrize("B,H,H_kv,T,D,L,P", [(1, 9, 3, 8, 64, 530, 512), (1, 9, 3, 5, 64, 261, 250), (1, 9, 3, 16, 64, 530, 300),
                                               (2, 4, 2, 5, 128, 67, 40), (1, 2, 2, 1, 64, 9, 9)])
-def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
+def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P, two_threads):
     """Strided as the model hands them over (q and the new rows transposed, k and v a slice of the
     cache); against model.tree_attention in fp32 on the same bf16 values, closer than that function in bf16."""
     assert ck.build()
@@ -169,7 +169,7 @@ def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P):
 @amx
 @pytest.mark.parametrize("B,H,H_kv,T,L,P", [(1, 9, 3, 13, 576, 563), (1, 9, 3, 16, 300, 250), (2, 4, 2, 5, 67, 40),
                                            (1, 9, 3, 1, 9, 8), (1, 3, 3, 64, 100, 36)])
-def test_rows_attention_kernel_is_rope_cache_and_sdpa(B, H, H_kv, T, L, P):
+def test_rows_attention_kernel_is_rope_cache_and_sdpa(B, H, H_kv, T, L, P, two_threads):
     """As TileAttention hands them over (qkv, the rows' RoPE frequencies, their cache slots after P,
     a tree mask gathered into those slots, some slots shut to all): the caches get bit for bit what
     Attention.cached writes; y is SDPA in fp32 over its q and the cache, as close as SDPA in bf16; a
@@ -203,7 +203,7 @@ def test_rows_attention_kernel_is_rope_cache_and_sdpa(B, H, H_kv, T, L, P):
 
 @amx
 @pytest.mark.parametrize("K", [64, 576])
-def test_tiles_glu_is_silu_gate_times_up(K):
+def test_tiles_glu_is_silu_gate_times_up(K, two_threads):
     """Bit for bit what the compiled FeedForward makes of the two projections: each rounded to bf16,
     silu and the product in fp32 (torch's exp, as inductor's), rounded once; a row alone the same."""
     assert ck.build()
