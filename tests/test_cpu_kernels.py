@@ -288,33 +288,29 @@ def test_avx2_eagle_head_takes_the_base_kernels():
 @pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)
                          or ck.wanted_avx2("cpu", torch.bfloat16)),
                     reason="the kernels are for CPUs with AVX-512 bf16 or AVX2")
-def test_argmax_op_is_torchs_first_maximum():
+def test_argmax_op_is_torchs_first_maximum(two_threads):
     """treespec::argmax, which trees.argmax calls for bf16 logits once the kernels are built: torch's
-    first maximum for one row and many, ties (few distinct values) across the threads' runs included."""
+    first maximum for one row and many, ties (few distinct values) across the threads' runs included
+    (two runs of columns, whatever the machine)."""
     import trees as T
     assert ck.build()
     g = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # two runs of columns, whatever the machine
-    try:
-        for rows, V in [(1, 16), (1, 49152), (13, 49152), (4, 4096), (3, 112)]:
-            for x in (torch.randint(0, 3, (rows, V), generator=g).bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
-                x[0, :V // 2] = -float("inf")  # the winner in the last thread's run
-                assert torch.equal(torch.ops.treespec.argmax(x), x.argmax(-1)) and torch.equal(T.argmax(x), x.argmax(-1))
-                assert torch.equal(torch.ops.treespec.argmax(x[None]), x[None].argmax(-1))
-        x = torch.full((2, 64), -float("inf")).bfloat16()
-        x[1, 40] = 1
-        assert torch.ops.treespec.argmax(x).tolist() == [0, 40]
-        x[1, 3] = float("nan")  # passed over by the op (torch: 3; the max-and-min fallback: 63), so trees.argmax calls it
-        assert torch.ops.treespec.argmax(x).tolist() == [0, 40] and T.argmax(x).tolist() == [0, 40]
-    finally:
-        torch.set_num_threads(threads)
+    for rows, V in [(1, 16), (1, 49152), (13, 49152), (4, 4096), (3, 112)]:
+        for x in (torch.randint(0, 3, (rows, V), generator=g).bfloat16(), torch.randn(rows, V, generator=g).bfloat16()):
+            x[0, :V // 2] = -float("inf")  # the winner in the last thread's run
+            assert torch.equal(torch.ops.treespec.argmax(x), x.argmax(-1)) and torch.equal(T.argmax(x), x.argmax(-1))
+            assert torch.equal(torch.ops.treespec.argmax(x[None]), x[None].argmax(-1))
+    x = torch.full((2, 64), -float("inf")).bfloat16()
+    x[1, 40] = 1
+    assert torch.ops.treespec.argmax(x).tolist() == [0, 40]
+    x[1, 3] = float("nan")  # passed over by the op (torch: 3; the max-and-min fallback: 63), so trees.argmax calls it
+    assert torch.ops.treespec.argmax(x).tolist() == [0, 40] and T.argmax(x).tolist() == [0, 40]
 
 
 @pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)
                          or ck.wanted_avx2("cpu", torch.bfloat16)),
                     reason="the kernels are for CPUs with AVX-512 bf16 or AVX2")
-def test_topk_op_is_a_stable_sorts_first_k():
+def test_topk_op_is_a_stable_sorts_first_k(two_threads):
     """treespec::topk, which trees.top_indices calls for a draft's bf16 logits: the first k of a stable
     descending sort (the earlier index first among equals), for rows of few distinct values (ties
     across the 16-column chunks), of -inf, and with NaNs (passed over; fewer than k others: index 0)."""
