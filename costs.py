@@ -19,11 +19,10 @@ import generate as G
 from heads import WithLookup, draft_static, plan_to, static_plan
 from trees import choose_tree, interpolate, split_chain
 
-# tree rows and draft depths timed for --tree auto (read between by trees.interpolate; a compiled
-# CPU shape costs 1-2 minutes to build, so few; with 8 rows the slope below 9-15 rows is near what
-# they cost, and `auto` times fewer sizes between: on a Zen 3 3 against 7); bench.py --rows times
-# every power of two
-ROWS, DEPTHS = (1, 4, 8, 16, 64), (1, 4)
+# tree rows and draft depths timed for --tree auto: every size up to 32 rows (the forwards over 2 or more
+# rows are one compiled graph with the rows symbolic, so sizes cost only their run time, and no size is
+# read between timed ones where a CPU's curve bends), then a line to 64; bench.py --rows prints the powers of two
+ROWS, DEPTHS = (*range(1, 33), 48, 64), (1, 4)
 ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
           "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
 
@@ -32,7 +31,8 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     """What a speculative step is made of, on this machine: seconds of a base forward over N tree
     rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
     given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
-    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). tree (static
+    another), each wrapped by `compiled(fn, dynamic=False)` (generate.compiler's; `lambda f, dynamic=False: f`
+    for eager). tree (static
     index paths, head given): also the whole decode steps as the loop calls them, plain (ar_step)
     and speculative with that tree (spec_step), host sync included. Medians of `reps` calls taken
     in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s}, {"ar": s, "spec": s}
@@ -52,22 +52,27 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                  max(max_rows + 2 * max_depth + 2, spec[4] if spec else 0))
     P = torch.tensor(prefix, device=dev)
 
-    def verify_fn(N):
+    def verify(tokens, P):  # tokens [N], as spec_step calls the model
+        N = tokens.shape[0]
         chain = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
         slots = torch.arange(N, device=dev)
-
-        def verify(tokens, P):  # tokens [N], as spec_step calls the model
-            prefix = torch.arange(model.max_seq_len, device=dev)[None, :] < P
-            return model(tokens[None], P + slots, prefix, cache_pos=P + slots, tree_mask=chain)
-        return compiled(verify)
+        prefix = torch.arange(model.max_seq_len, device=dev)[None, :] < P
+        return model(tokens[None], P + slots, prefix, cache_pos=P + slots, tree_mask=chain)
+    # one row compiles static, as the gemm choice (compiler) timed it; 2 or more rows share one graph, the
+    # rows symbolic: 1-2 minutes of compiling in all on a CPU, not for each size. (Zen 3, the same
+    # afternoon: 8 rows 21.7 ms in it against 21.5 compiled static, 1-10% either way, as two static
+    # compiles of one shape differ here; a static graph of 5 sizes cost 92 s each to compile.)
+    one, rows_graph = compiled(verify), max(rows, default=1) > 1 and compiled(verify, dynamic=True)
     calls = {}
-    # every N compiles the same code (verify) again: dynamo's limit of 8 a code object would stop the
-    # ninth with fullgraph, and `auto` times its chosen size beside the others in a process that chose
-    # the GEMM backends by compiling it twice already
+    # dynamo's limit of 8 graphs a code object: the gemm choice's graphs, each compiler's static and
+    # symbolic ones (and the AMX kernels' row ranges) share verify's code
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
         model(ctx[None], torch.arange(prefix, device=dev))  # fill the prefix's cache slots
         for N in rows:
-            f, tokens = verify_fn(N), ctx[:N].clone()
+            tokens = ctx[:N].clone()
+            if N > 1:
+                torch._dynamo.mark_dynamic(tokens, 0)
+            f = one if N == 1 else rows_graph
             calls[("verify", N)] = lambda f=f, tokens=tokens: f(tokens, P)
         if depths:
             lookup = isinstance(head, WithLookup)
@@ -107,16 +112,12 @@ def cache_file(key: dict, folder: Path, kind: str) -> Path:
     return Path(folder) / f"{kind}-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
-def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
+def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
     """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
     dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
-    lacks one of `wanted` (all of them again, so that one table is one run), else nothing. Returns
-    every cached n, `wanted` and any measured before. ref: an n (or two) that every run measures
-    beside the others; a later run's times are mapped to the table's first run by it, since only the
-    sizes' ratios decide and this host's speed drifts by 10-30% over minutes (one row timed 18.5 ms in
-    a later run against 14.1 in the first made 9 rows look cheaper than one): by the ratio of one, or
-    by the line through two that bracket the new n, which puts it between its neighbours as its own
-    run ordered them (scaled by one row alone, 9 rows came out at 1.43x one row, 1.26x side by side)."""
+    lacks one of `wanted`, else nothing. Returns every cached n, `wanted` and any measured before
+    (a later run's sizes are kept beside the first's: only the sizes of one run are compared, as this
+    host's speed drifts by 10-30% over minutes)."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     path = cache_file(key, folder, "step-costs")
     costs = {}
@@ -125,15 +126,7 @@ def cached_costs(key: dict, wanted, measure, folder: Path, ref=None) -> dict:
         if rec.get("key") == key:
             costs = {int(n): t for n, t in rec["costs"].items()}
     if any(n not in costs for n in wanted):
-        new = measure(list(wanted))
-        refs = [r for r in ((ref,) if isinstance(ref, int) else ref or ()) if r in costs and r in new]
-        to = lambda t: t
-        if len(refs) == 2 and (costs[refs[1]] - costs[refs[0]]) * (new[refs[1]] - new[refs[0]]) > 0:
-            a, b = refs  # the line through both
-            to = lambda t: costs[a] + (t - new[a]) * (costs[b] - costs[a]) / (new[b] - new[a])
-        elif refs:  # one (or two this run put in the other order): the first's ratio
-            to = lambda t, s=costs[refs[0]] / new[refs[0]]: t * s
-        costs.update({n: to(t) for n, t in new.items() if n not in refs})
+        costs.update(measure(list(wanted)))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(key=key, costs=dict(sorted(costs.items()))), indent=1))
@@ -161,21 +154,19 @@ def timing_compiler(model, device: str, compile_mode, checkpoint):
     """How the step's timings compile (compile_mode None: eager), and the mode their cache keys name:
     with the GEMM backends `compiler` chose, which the timings depend on."""
     compiled = G.compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f: f)
+        if compile_mode else (lambda f, dynamic=False: f)
     return compiled, compile_mode and f"{compile_mode} {compiled.gemm}"
 
 
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
-                   depths=DEPTHS, refs=(1,)):
+                   depths=DEPTHS):
     """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
     cost_key and kept under the project's cache folder: verification once for the base model (every
     head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
-    share them. refs: the rows every run times (cached_costs' ref). Returns ({N: s}, {depth: s}) (no
-    head: {})."""
+    share them. Returns ({N: s}, {depth: s}) (no head: {})."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
-                            lambda rs: step_costs(model, None, compiled, rows=sorted({*refs, *rs}))[0],
-                            ckpt.CACHE_DIR, ref=refs)
+                            lambda rs: step_costs(model, None, compiled, rows=rs)[0], ckpt.CACHE_DIR)
     if head is None:
         return t_verify, {}
 
@@ -221,8 +212,7 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     path = Path(heads_dir) / "acceptance.json"
     if not path.is_file():
         return None
-    # the choice itself is kept too: made again, it could read tables its own timings had extended
-    # and name another size, to be timed in turn (minutes on a CPU)
+    # the choice is kept too, with the step overhead it was weighed with: a later run names it at once
     key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "choice",
            "acceptance": hashlib.sha1(path.read_bytes()).hexdigest()}
     kept = cache_file(key, ckpt.CACHE_DIR, "tree-auto")
@@ -243,27 +233,8 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     elif lookup and n in heldout.get("lookup", {}).get("counts", {}):
         hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
 
-    def choose(overhead=(0.0, 0.0)):
-        # Sizes between timed ones are read at the least they may cost, and the size chosen is timed,
-        # once (cached), and the choice made again until it is a timed size: then no other size can
-        # beat it, unless a kernel's steps break the rising slope (int8 GEMMs work in 4-row tiles: 5
-        # rows cost what 8 do), which timing the chosen size catches too. A new size is timed in the
-        # same turns as the timed sizes on either side of it, to which cached_costs maps it. (Every
-        # size again each time cost minutes a round when the choice moved on to another size.)
-        nonlocal t_verify
-        pick = lambda: choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup, lookup_hits=hits,
-                                   both=both, overhead=overhead, least=True)
-        choice = pick()
-        for _ in range(4):
-            N = choice["nodes"]
-            if choice["paths"] is None or N in t_verify:
-                break
-            lo, hi = max(n for n in t_verify if n < N), min((n for n in t_verify if n > N), default=None)
-            refs = (lo, hi) if hi else (lo,)
-            t_verify, _ = measured_costs(model, None, heads_dir, device, compile_mode, checkpoint, rows=(N,),
-                                         refs=refs)
-            choice = pick()
-        return choice
+    choose = lambda overhead=(0.0, 0.0): choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup,
+                                                     lookup_hits=hits, both=both, overhead=overhead)
     choice = choose()
     if choice["paths"] is not None:
         # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every

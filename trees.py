@@ -204,21 +204,11 @@ def step_counts(observed: list, paths: list, n: int) -> dict:
                 both={str(n): [both[p] for p in paths]}, lookup=dict(roots=len(observed), counts={str(n): hits}))
 
 
-def interpolate(costs: dict, n: int, least: bool = False) -> float:
-    """costs {N: seconds} measured at a few N, read at n: piecewise linear, extended past the ends.
-    least: between two timed sizes, the least cost that a curve rising ever more steeply allows (a
-    forward over N rows: flat while the weights' bytes bound it, then a slope a row once the FLOPs
-    do): the segment below extended, flat past the first size. The line through the two overstates
-    such a curve: on a Zen 3, 1 / 4 / 16 rows 14.5 / 18.0 / 50 ms put 5 rows at 20.6, the slope
-    below at 19.2."""
+def interpolate(costs: dict, n: int) -> float:
+    """costs {N: seconds} measured at some N, read at n: piecewise linear, extended past the ends."""
     xs = sorted(costs)
     if len(xs) == 1:
         return costs[xs[0]]
-    if least and xs[0] < n < xs[-1] and n not in costs:
-        below = [x for x in xs if x < n]
-        x0, x1 = below[-1], min(x for x in xs if x > n)
-        slope = max(0.0, (costs[x0] - costs[below[-2]]) / (x0 - below[-2])) if len(below) > 1 else 0.0
-        return min(costs[x1], costs[x0] + slope * (n - x0))
     i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= n), len(xs) - 1)))
     x0, x1 = xs[i - 1], xs[i]
     return costs[x0] + (costs[x1] - costs[x0]) * (n - x0) / (x1 - x0)
@@ -226,7 +216,7 @@ def interpolate(costs: dict, n: int, least: bool = False) -> float:
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
                 lookup: bool = False, lookup_hits: Optional[list] = None, both: Optional[dict] = None,
-                overhead: tuple = (0.0, 0.0), least: bool = False) -> dict:
+                overhead: tuple = (0.0, 0.0)) -> dict:
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
     machine: for every size n and depth limit d, the best tree (best_subtrees) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
@@ -244,8 +234,6 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     no independence is assumed: tau = 1 + sum_j b_j + sum over the tree's paths of (counts - both) / roots.
     overhead (o_ar, o_spec): seconds a decode step costs beyond its forwards (the loop's host sync,
     sampling or acceptance, compaction), added to plain decoding's step and to every tree's.
-    least: sizes between timed ones at the least cost they may have (interpolate's least), so that
-    a size that may win is chosen, to be timed (costs.auto_tree), rather than passed over.
     Returns dict(paths (None: plain decoding; with lookup, the chain's path [-1, 0, ...] last),
     nodes, depth (the head's), chain (the lookup chain's depth), tau, speedup: predicted, against plain
     decoding), plus `candidates`, the best of each size of the head's tree."""
@@ -283,7 +271,7 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
                 if nodes > max_nodes:
                     break
                 tau = tau_d + sum(lookup_hits[depth:chain]) if chain > depth else tau_d
-                speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes, least) +
+                speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) +
                                        overhead[1])
                 if top is None or speedup > top["speedup"]:
                     top = dict(paths=paths + ([[-1] + [0] * (chain - 1)] if lookup else []), nodes=nodes,
