@@ -157,7 +157,7 @@ class Attention(nn.Module):
                 tree_mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         qkv = self.wqkv(x)
-        if tree_mask is None and T > 1:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
+        if T > 1 and tree_mask is None:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
             return self.wo(self.rows_attention(qkv, freqs_cis, mask, cache_pos))
         q, k, v, k_new, v_new = self.cached(qkv, freqs_cis, mask, cache_pos)
         if tree_mask is not None:
