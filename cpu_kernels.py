@@ -234,6 +234,14 @@ def swap_glu(model: nn.Module, dtype, cls, pack, fits) -> set:
     return {l for m in model.modules() if type(m) is cls for l in (m.w1, m.w3)}
 
 
+def torch_gemms(model: nn.Module) -> bool:
+    """Whether model's step over 1-64 rows still multiplies by a weight in torch's GEMM (which
+    max-autotune picks a kernel for): False where install made every projection one of ours for
+    those rows (WideLinear, TileLinear, the FeedForwards' gate and up)."""
+    ours = {l for m in model.modules() if type(m) in (WideFeedForward, TileFeedForward) for l in (m.w1, m.w3)}
+    return any(type(m) in (nn.Linear, RowsLinear) and m not in ours for m in model.modules())
+
+
 def install(model: nn.Module, device, dtype) -> nn.Module:
     """Where wanted: model's bias-free nn.Linears (N a multiple of 16, K even) become RowsLinears and
     its Attentions RowsAttentions, in place; with AMX tiles its FeedForwards (bias-free, N and K

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch._inductor import list_mode_options
 
 import checkpoint as ckpt
+import cpu_kernels
 from checkpoint import load_model
 from heads import NGram, WithLookup, draft_dynamic, draft_static, load_heads, plan_to, static_plan
 from trees import argmax, emitted_tokens, greedy_accept, load_tree, logits_to_probs, sample, sample_accept, typical_accept
@@ -261,9 +262,12 @@ def compiler(model, device: str, mode=None, checkpoint=None):
     Zen 5 it picked the C++ template, which then streamed 13 GB/s in the step against oneDNN's 26
     (a token 20 ms against 13), and on a Zen 3 the template was the faster one. So the one-row
     forward is timed with each of GEMMS once per machine and model (cached, like --tree auto's
-    costs), and every step compiled here gets the faster."""
+    costs), and every step compiled here gets the faster. Where our kernels do every projection
+    (cpu_kernels.torch_gemms) there is nothing to choose: .gemm None."""
     gemm = None
-    if device == "cpu" and "max-autotune" in (mode or "max-autotune"):
+    # where our kernels do every projection there is nothing to choose (Zen 3, AVX2: two compiles and
+    # timings, 3 minutes, of the same graph)
+    if device == "cpu" and "max-autotune" in (mode or "max-autotune") and cpu_kernels.torch_gemms(model):
         import costs  # (it times this module's steps)
 
         def measure(idx):

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import costs
+import cpu_kernels as ck
 import generate as G
 import heads as H
 import trees as T
@@ -716,6 +717,11 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
         assert G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}").gemm == fastest
         seen.clear()
     assert G.compiler(model, "cpu", mode="default").gemm is None   # no max-autotune: nothing to choose
+    assert ck.torch_gemms(model)
+    for m in model.modules():  # every projection our kernel (as cpu_kernels.install makes them on AVX2): nothing either
+        if type(m) is nn.Linear:
+            m.__class__ = ck.WideLinear
+    assert not ck.torch_gemms(model) and G.compiler(model, "cpu", checkpoint="ours").gemm is None
     assert G.compiler(model, "cuda").gemm is None                  # CUDA graphs: nothing to choose
 
 
