@@ -31,8 +31,7 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     """What a speculative step is made of, on this machine: seconds of a base forward over N tree
     rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
     given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
-    another), each wrapped by `compiled(fn, dynamic=False)` (generate.compiler's; `lambda f, dynamic=False: f`
-    for eager). tree (static
+    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). tree (static
     index paths, head given): also the whole decode steps as the loop calls them, plain (ar_step)
     and speculative with that tree (spec_step), host sync included. Medians of `reps` calls taken
     in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s}, {"ar": s, "spec": s}
@@ -62,7 +61,7 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     # rows symbolic: 1-2 minutes of compiling in all on a CPU, not for each size. (Zen 3, the same
     # afternoon: 8 rows 21.7 ms in it against 21.5 compiled static, 1-10% either way, as two static
     # compiles of one shape differ here; a static graph of 5 sizes cost 92 s each to compile.)
-    one, rows_graph = compiled(verify), max(rows, default=1) > 1 and compiled(verify, dynamic=True)
+    verify = compiled(verify)
     calls = {}
     # dynamo's limit of 8 graphs a code object: the gemm choice's graphs, each compiler's static and
     # symbolic ones (and the AMX kernels' row ranges) share verify's code
@@ -71,9 +70,8 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
         for N in rows:
             tokens = ctx[:N].clone()
             if N > 1:
-                torch._dynamo.mark_dynamic(tokens, 0)
-            f = one if N == 1 else rows_graph
-            calls[("verify", N)] = lambda f=f, tokens=tokens: f(tokens, P)
+                torch._dynamo.maybe_mark_dynamic(tokens, 0)  # (a kernel's row range may pin a size)
+            calls[("verify", N)] = lambda tokens=tokens: verify(tokens, P)
         if depths:
             lookup = isinstance(head, WithLookup)
             draft = compiled(lambda plan, h, t, n, P: draft_static(head, model, plan, h, t, n, P))
@@ -154,7 +152,7 @@ def timing_compiler(model, device: str, compile_mode, checkpoint):
     """How the step's timings compile (compile_mode None: eager), and the mode their cache keys name:
     with the GEMM backends `compiler` chose, which the timings depend on."""
     compiled = G.compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f, dynamic=False: f)
+        if compile_mode else (lambda f: f)
     return compiled, compile_mode and f"{compile_mode} {compiled.gemm}"
 
 

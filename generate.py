@@ -222,12 +222,12 @@ def lean_guards(guards):
                 and not g.name.endswith("._buffers['packed']")) for g in guards]
 
 
-def compile_step(fn, device: str, mode=None, gemm=None, dynamic=False):
+def compile_step(fn, device: str, mode=None, gemm=None):
     """fullgraph, static shapes. CUDA: CUDA graphs (reduce-overhead). CPU: max-autotune with
     freezing: weights become constants that the CPU GEMM kernels pre-pack (AMX / AVX-512 micro-kernels
     for bf16 when max-autotune picks them). gemm: the GEMM backends max-autotune chooses among (GEMMS).
-    dynamic: the sizes the caller marks (torch._dynamo.mark_dynamic) stay symbolic, one graph for
-    them all (the timings of costs; a decode step is never compiled so)."""
+    Sizes the caller marks (torch._dynamo.maybe_mark_dynamic) stay symbolic: the live span, the rows
+    that costs times."""
     if mode is None:
         mode = "reduce-overhead" if device.startswith("cuda") else "max-autotune-no-cudagraphs"
     if not device.startswith("cuda"):
@@ -242,7 +242,7 @@ def compile_step(fn, device: str, mode=None, gemm=None, dynamic=False):
         options["cpp_wrapper"] = True
         if gemm and "max-autotune" in mode:
             options["max_autotune_gemm_backends"] = gemm
-    step = torch.compile(fn, options=options, fullgraph=True, dynamic=None if dynamic else False)
+    step = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
     if mode != "reduce-overhead":
         return step
     # A CUDA graph's outputs live in its memory pool and its next replay overwrites them; the decode
@@ -271,14 +271,14 @@ def compiler(model, device: str, mode=None, checkpoint=None):
         import costs  # (it times this module's steps)
 
         def measure(idx):
-            return {i: costs.step_costs(model, None, lambda f, dynamic=False, g=GEMMS[i]:
-                                        compile_step(f, device, mode, g, dynamic), rows=(1,))[0][1] for i in idx}
+            return {i: costs.step_costs(model, None, lambda f, g=GEMMS[i]: compile_step(f, device, mode, g),
+                                        rows=(1,))[0][1] for i in idx}
         t = costs.cached_costs({**costs.cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
                                range(len(GEMMS)), measure, ckpt.CACHE_DIR)
         gemm = GEMMS[min(range(len(GEMMS)), key=t.get)]
 
-    def compiled(fn, dynamic=False):
-        return compile_step(fn, device, mode, gemm, dynamic)
+    def compiled(fn):
+        return compile_step(fn, device, mode, gemm)
     compiled.gemm = gemm
     return compiled
 

@@ -702,7 +702,7 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
     import checkpoint
     monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path)
     model, seen = tiny_model(), []
-    monkeypatch.setattr(G, "compile_step", lambda fn, device, mode=None, gemm=None, dynamic=False: seen.append(gemm) or fn)
+    monkeypatch.setattr(G, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
     for fastest in G.GEMMS:
         def step_costs(m, head, compiled, rows=costs.ROWS, **k):  # what each choice costs: known here
             compiled(None)
@@ -730,11 +730,30 @@ def test_step_costs_compile_two_graphs_for_any_number_of_row_counts():
     symbolic (a compiled CPU shape costs 1-2 minutes): ten row counts, two graphs."""
     from torch._dynamo.testing import CompileCounter
     model, graphs = tiny_model(), CompileCounter()
-    compiled = lambda f, dynamic=False: torch.compile(f, backend=graphs, fullgraph=True,
-                                                      dynamic=None if dynamic else False)  # as compile_step
+    compiled = lambda f: torch.compile(f, backend=graphs, fullgraph=True, dynamic=False)  # as compile_step
     verify = costs.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)[0]
     assert sorted(verify) == list(range(1, 11)) and all(t > 0 for t in verify.values())
     assert graphs.frame_count == 2
+
+
+def test_step_costs_symbolic_rows_follow_a_kernels_row_ranges():
+    """Where a kernel serves a range of row counts (RowsLinear 8-16 rows on AVX-512, TileLinear up to
+    64 on AMX), the symbolic graph is guarded on that range: one graph a range, every size timed."""
+    from torch._dynamo.testing import CompileCounter
+
+    class Ranged(nn.Linear):  # another path for 3-5 rows, as RowsLinear has for MIN_ROWS..MAX_ROWS
+        def forward(self, x):
+            if 3 <= x.numel() // x.shape[-1] <= 5:
+                return F.linear(x, self.weight.neg(), self.bias).neg()
+            return super().forward(x)
+    model, graphs = tiny_model(), CompileCounter()
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Ranged
+    compiled = lambda f: torch.compile(f, backend=graphs, fullgraph=True, dynamic=False)  # as compile_step
+    verify = costs.step_costs(model, None, compiled, rows=tuple(range(1, 11)), prefix=16, reps=1)[0]
+    assert sorted(verify) == list(range(1, 11))
+    assert graphs.frame_count == 4, graphs.frame_count  # 1 row static; 2 rows; 3-5; 6-10
 
 
 @pytest.mark.parametrize("kind", ["eagle", "hydra"])
