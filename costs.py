@@ -113,9 +113,8 @@ def cache_file(key: dict, folder: Path, kind: str) -> Path:
 def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
     """{n: seconds} (tree rows or draft depths) for the step part that key names (machine, model,
     dtype, head, mode...), kept in folder as JSON: measure(wanted) runs where the cache of this key
-    lacks one of `wanted`, else nothing. Returns every cached n, `wanted` and any measured before
-    (a later run's sizes are kept beside the first's: only the sizes of one run are compared, as this
-    host's speed drifts by 10-30% over minutes)."""
+    lacks one of `wanted` (all of `wanted` again, so that the sizes a caller compares come from one
+    run: this host's speed drifts by 10-30% over minutes), else nothing. Returns every cached n."""
     key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
     path = cache_file(key, folder, "step-costs")
     costs = {}

@@ -235,11 +235,13 @@ def swap_glu(model: nn.Module, dtype, cls, pack, fits) -> set:
 
 
 def torch_gemms(model: nn.Module) -> bool:
-    """Whether model's step over 1-64 rows still multiplies by a weight in torch's GEMM (which
-    max-autotune picks a kernel for): False where install made every projection one of ours for
-    those rows (WideLinear, TileLinear, the FeedForwards' gate and up)."""
+    """Whether model's step over 1-64 rows may still multiply by a weight in torch's GEMM (which
+    max-autotune picks a kernel for): any projection (a module with out_features: nn.Linear,
+    RowsLinear outside its rows, quantize's weight-only linears) but WideLinear, TileLinear and the
+    FeedForwards' gate and up that install made ours."""
     ours = {l for m in model.modules() if type(m) in (WideFeedForward, TileFeedForward) for l in (m.w1, m.w3)}
-    return any(type(m) in (nn.Linear, RowsLinear) and m not in ours for m in model.modules())
+    return any(hasattr(m, "out_features") and type(m) not in (WideLinear, TileLinear) and m not in ours
+               for m in model.modules())
 
 
 def install(model: nn.Module, device, dtype) -> nn.Module:

@@ -263,10 +263,9 @@ def compiler(model, device: str, mode=None, checkpoint=None):
     (a token 20 ms against 13), and on a Zen 3 the template was the faster one. So the one-row
     forward is timed with each of GEMMS once per machine and model (cached, like --tree auto's
     costs), and every step compiled here gets the faster. Where our kernels do every projection
-    (cpu_kernels.torch_gemms) there is nothing to choose: .gemm None."""
+    (cpu_kernels.torch_gemms) there is nothing to choose: .gemm None (on AVX2 it had timed two
+    compiles of the same graph, 3 minutes)."""
     gemm = None
-    # where our kernels do every projection there is nothing to choose (Zen 3, AVX2: two compiles and
-    # timings, 3 minutes, of the same graph)
     if device == "cpu" and "max-autotune" in (mode or "max-autotune") and cpu_kernels.torch_gemms(model):
         import costs  # (it times this module's steps)
 

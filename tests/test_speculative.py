@@ -722,6 +722,10 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
         if type(m) is nn.Linear:
             m.__class__ = ck.WideLinear
     assert not ck.torch_gemms(model) and G.compiler(model, "cpu", checkpoint="ours").gemm is None
+    import quantize as Q  # a weight-only int8 linear multiplies in torch's kernels: there is a choice again
+    model.output = Q.WeightOnlyInt8Linear(torch.zeros(TINY.vocab_size, TINY.dim, dtype=torch.int8),
+                                          torch.ones(TINY.vocab_size))
+    assert ck.torch_gemms(model)
     assert G.compiler(model, "cuda").gemm is None                  # CUDA graphs: nothing to choose
 
 
