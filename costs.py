@@ -45,9 +45,12 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
     spec = tree is not None and G.speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
-    if spec:
-        max_depth, max_rows = max(max_depth, spec[2]), max(max_rows, spec[3])
-    G.setup_caches(model, head, prefix + max_rows + max_depth + 1,
+    # the caches' lengths are static in a compiled graph: sized alike for every call (the verify table's, the
+    # draft levels', the whole steps'), the one-row forward that each of them times is one graph, compiled
+    # once in a process (a 2-core Zen 3: 70 s a compile, three of them in auto's first use)
+    max_depth = max(max_depth, *DEPTHS, spec[2] if spec else 0)
+    max_rows = max(max_rows, *ROWS, spec[3] if spec else 1)
+    G.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len),
                  max(max_rows + 2 * max_depth + 2, spec[4] if spec else 0))
     P = torch.tensor(prefix, device=dev)
 
