@@ -242,7 +242,7 @@ def compile_step(fn, device: str, mode=None, gemm=None):
         options["cpp_wrapper"] = True
         # inductor tries to fuse each node with the next 64 that read a buffer it reads; the step's inputs are
         # read by every layer, so its fusion pass tried 47,000 pairs: 38 of an AR step's 115 s of compiling
-        # on a 2-core Zen 3, 60 of a tree step's 133. 8 gave the same code for both, bit for bit, in 6 and 14 s
+        # on a 2-core Zen 3, 60 of a tree step's 133. 8 gave the same code for both, line for line, in 8 and 14 s
         options["max_fusion_buffer_group_pairwise_attempts"] = 8
         if gemm and "max-autotune" in mode:
             options["max_autotune_gemm_backends"] = gemm
