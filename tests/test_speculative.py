@@ -740,6 +740,20 @@ def test_step_costs_compile_two_graphs_for_any_number_of_row_counts():
     assert graphs.frame_count == 2
 
 
+def test_step_costs_compile_the_one_row_forward_once_for_every_call():
+    """The verify table, the draft levels and the whole steps are timed in separate calls, each beside a
+    one-row forward (to carry them into one run's units): the caches sized alike in every call, that
+    forward is one graph in a process, not one a call (70 s a compile on a 2-core Zen 3)."""
+    from torch._dynamo.testing import CompileCounter
+    model, graphs = tiny_model(), CompileCounter()
+    compiled = lambda f: torch.compile(f, backend=graphs, fullgraph=True, dynamic=False)  # as compile_step
+    costs.step_costs(model, None, compiled, rows=(1, 2, 3), prefix=16, reps=1)
+    assert graphs.frame_count == 2
+    for rows in [(1,), (1, 5)]:
+        costs.step_costs(model, None, compiled, rows=rows, prefix=16, reps=1)
+    assert graphs.frame_count == 2, graphs.frame_count
+
+
 def test_step_costs_symbolic_rows_follow_a_kernels_row_ranges():
     """Where a kernel serves a range of row counts (RowsLinear 8-16 rows on AVX-512, TileLinear up to
     64 on AMX), the symbolic graph is guarded on that range: one graph a range, every size timed."""
