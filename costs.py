@@ -47,11 +47,12 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     spec = tree is not None and G.speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
     # the caches' lengths are static in a compiled graph: sized alike for every call (the verify table's, the
     # draft levels', the whole steps'), the one-row forward that each of them times is one graph, compiled
-    # once in a process (a 2-core Zen 3: 70 s a compile, three of them in auto's first use)
+    # once in a process (a 2-core Zen 3: 70 s a compile, three of them in auto's first use); the whole
+    # steps' head scratch is generation's, so that generation's steps are these graphs (G.SLOTS)
     max_depth = max(max_depth, *DEPTHS, spec[2] if spec else 0)
     max_rows = max(max_rows, *ROWS, spec[3] if spec else 1)
-    G.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len),
-                 max(max_rows + 2 * max_depth + 2, spec[4] if spec else 0))
+    scratch = max(max_rows + 2 * max_depth + 2 if depths else 0, spec[4] if spec else 0)
+    G.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len), scratch)
     P = torch.tensor(prefix, device=dev)
 
     def verify(tokens, P):  # tokens [N], as spec_step calls the model
@@ -84,7 +85,7 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                 calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
         if spec:
             draft_fn, accept, d, nodes, _ = spec
-            ar = compiled(lambda t, pos, span: G.ar_step(model, t, pos, span=span))
+            ar = compiled(lambda token, pos, span: G.ar_step(model, token, pos, span=span))  # (generation's names: one graph)
             sp = compiled(lambda h, t, n, P, span: G.spec_step(model, draft_fn, accept, h, t, n, P, span))
             _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
             span = G.live_span(model, 1) or (lambda P: None)

@@ -189,7 +189,16 @@ def machine(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+# On a CPU every cache is at least SLOTS long (the model's context allowing): the length that --tree auto's
+# timings use (costs.step_costs), so that generation's compiled steps are the graphs those timings compiled
+# and inductor's cache hands them over. A step there attends only the live span (live_span): the slots
+# beyond cost memory (17 MB for SmolLM2), not time.
+SLOTS = 768
+
+
 def setup_caches(model, head, max_seq_len: int, head_scratch: int = 0):
+    if model.output.weight.device.type == "cpu":
+        max_seq_len = max(max_seq_len, min(SLOTS, model.args.max_seq_len))
     model.setup_caches(1, max_seq_len)
     if head is not None:
         head.setup_caches(max_seq_len + head_scratch)
@@ -415,7 +424,7 @@ def run(args):
         need = cache_size(len(ids), args.max_new_tokens, nodes, model.args.max_seq_len)
         if cache_len < need:  # (auto's timing left caches of its own size)
             setup_caches(model, head, need, scratch)
-            cache_len = need
+            cache_len = model.max_seq_len
             span, ar_span = live_span(model, nodes), live_span(model, 1)
             if args.compile:  # compile now, not inside the timed decode (the next prefill overwrites the cache)
                 t0 = time.perf_counter()

@@ -758,6 +758,38 @@ def test_step_costs_compile_the_one_row_forward_once_for_every_call():
     assert graphs.frame_count == 2, graphs.frame_count
 
 
+def test_auto_times_the_whole_steps_that_generation_then_compiles():
+    """--tree auto times the whole decode steps beside its tables, compiled; generation then compiles
+    the same steps again. Both size the caches alike on a CPU (G.SLOTS), so they are the same graphs
+    (the same inputs, shapes included) and inductor's cache hands generation what the timing compiled:
+    20 s a step there against 90 to compile it (2-core Zen 3)."""
+    import dataclasses
+    args = dataclasses.replace(TINY, max_seq_len=1024)  # a context longer than SLOTS, as SmolLM2's
+    model, head = tiny_model(args), randomize(make_head("eagle", args), 1)
+    graphs = []
+
+    def record(gm, inputs):  # each graph's inputs: the step's state, the weights, the caches
+        graphs.append(sorted(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)))
+        return gm.forward
+    compiled = lambda f: torch.compile(f, backend=record, fullgraph=True, dynamic=False)  # as compile_step
+    paths = [[0], [0, 0], [1]]
+    costs.step_costs(model, head, compiled, rows=(1,), depths=(), prefix=16, reps=1, tree=paths)
+    timed = len(graphs)  # the one-row forward, the plain step, the tree step
+    # generation, as generate.run sets it up for a short prompt
+    draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
+    prompt = torch.tensor([5, 17, 3, 44, 8, 21])
+    G.setup_caches(model, head, G.cache_size(len(prompt), 24, nodes, args.max_seq_len), scratch)
+    ar = compiled(lambda token, pos, span=None: G.ar_step(model, token, pos, span=span))
+    step = compiled(lambda h, t, n, P, span=None: G.spec_step(model, draft, accept, h, t, n, P, span))
+    greedy = dict(temperature=0.0)
+    with torch.inference_mode():
+        out = G.decode(step, G.start(model, head, prompt, depth, greedy)[1], 0, 12, span=(G.live_span(model, nodes), 6))
+        ref = G.decode(ar, G.start(model, None, prompt, 0, greedy)[1], 0, 12, span=(G.live_span(model, 1), 6))
+    assert out == ref
+    assert timed == 3 and len(graphs) > timed
+    assert all(g in graphs[:timed] for g in graphs[timed:]), "generation compiled a step that auto did not time"
+
+
 def test_step_costs_symbolic_rows_follow_a_kernels_row_ranges():
     """Where a kernel serves a range of row counts (RowsLinear 8-16 rows on AVX-512, TileLinear up to
     64 on AMX), the symbolic graph is guarded on that range: one graph a range, every size timed."""
