@@ -163,12 +163,20 @@ class Attention(nn.Module):
         if tree_mask is not None:
             y = self.tree_attention(q, k, v, k_new, v_new, mask, tree_mask)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(self.token_attention(q, k, v, k_new, v_new, mask, cache_pos))
+
+    def token_attention(self, q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, mask: Tensor,
+                        cache_pos: Tensor) -> Tensor:
+        """One new token, q [B, H, 1, D], over the cache's span k, v [B, H_kv, L, D] (its own slot
+        cache_pos written; k_new, v_new [B, H_kv, 1, D] its key and value) under mask [B or 1, 1, 1, L].
+        Returns [B, 1, H * D]. (cpu_kernels.WideAttention: the tree kernel, on AVX2)"""
+        B, T = q.shape[0], 1
         # One new token: the G query heads that share a kv head go in as one head of G rows; the CPU
         # kernel otherwise multiplies one row at a time (per layer at batch 64, 768 slots: 81 -> 19 ms)
         G = self.n_head // self.n_kv_head
         q = q.reshape(B, self.n_kv_head, G, self.head_dim)
         mask = mask.expand(-1, -1, G, -1)                              # [B or 1, 1, G, L]
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
+        if torch.compiler.is_compiling() and q.device.type == "cpu":
             # written out, inductor makes this one fused loop nest; SDPA's CPU kernel costs ~0.1 ms a call
             # here, mostly its setup (30 layers, 512 slots, Zen 3: 1.9 ms against 2.7)
             s = (q.float()[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * self.head_dim ** -0.5
@@ -176,7 +184,7 @@ class Attention(nn.Module):
             y = (p[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
-        return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
+        return y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
 
     def cached(self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor):
         """q and k rotated, this call's k and v written into the cache slots cache_pos. Returns q

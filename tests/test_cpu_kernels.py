@@ -61,7 +61,7 @@ def test_avx2_install_swaps_linears_and_attention_for_every_row_count(one_thread
     w0, w1, b1 = m[0].weight, m[1].weight, m[1].bias
     ck.install(m, "cpu", torch.bfloat16)
     # N not a multiple of the kernel's 32 columns: left as it is
-    assert [type(l) for l in m] == [ck.WideLinear, ck.WideLinear, nn.Linear, ck.RowsAttention]
+    assert [type(l) for l in m] == [ck.WideLinear, ck.WideLinear, nn.Linear, ck.WideAttention]
     assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
     for rows in (1, 13, 70):
         x = torch.randn(rows, 64).bfloat16()
@@ -164,6 +164,29 @@ def test_tree_attention_kernel_is_model_tree_attention(B, H, H_kv, T, D, L, P, t
     assert y.shape == (B, H, T, D) and y.dtype == torch.bfloat16
     err, err_bf16 = (y.float() - ref).abs().max(), (in_bf16.float() - ref).abs().max()
     assert err <= max(err_bf16, 2 ** -8 * ref.abs().max()), (err, err_bf16)
+
+
+@avx2
+@pytest.mark.parametrize("L,P", [(128, 100), (576, 575), (64, 0)])
+def test_avx2_token_attention_is_its_row_in_a_tree(L, P, two_threads):
+    """WideAttention: a new token's attention (the AR step's) is the tree kernel's with the token as a
+    one-node tree after the slots before it: bit for bit what its row gets in a tree step, and SDPA's
+    in fp32 within bf16 rounding."""
+    assert ck.build()
+    a = ck.install(Attention(ModelArgs(dim=576, n_head=9, n_kv_head=3)).bfloat16(), "cpu", torch.bfloat16)
+    assert type(a) is ck.WideAttention
+    g = torch.Generator().manual_seed(L + P)
+    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()
+    q, k, v = bf(1, 9, 3, 64), bf(1, 3, L + 5, 64)[:, :, :L], bf(1, 3, L + 5, 64)[:, :, :L]
+    mask = (torch.arange(L) <= P)[None, None, None]                     # its own slot P written, as cached() leaves it
+    y = a.token_attention(q[:, :, :1], k, v, k[:, :, P:P + 1], v[:, :, P:P + 1], mask, torch.tensor([P]))
+    # the same token as the root of a 3-row tree: the slots before P, then itself
+    k_new, v_new = torch.cat([k[:, :, P:P + 1], bf(1, 3, 2, 64)], 2), torch.cat([v[:, :, P:P + 1], bf(1, 3, 2, 64)], 2)
+    tree = torch.ones(3, 3, dtype=torch.bool).tril()
+    in_tree = torch.ops.treespec.tree_attention(q, k, v, k_new, v_new, (torch.arange(L) < P)[None], tree)
+    assert y.shape == (1, 1, 9 * 64) and torch.equal(y.view(9, 64), in_tree[0, :, 0])
+    ref = F.scaled_dot_product_attention(q[:, :, :1].float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(y.float().view(1, 9, 1, 64), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
 @amx
