@@ -67,9 +67,14 @@ static inline __m256 round_bf16(__m256 v) {  // fp32 -> the nearest bf16, as fp3
 template <class Done>
 static void rows_tasks(const at::Tensor& xs, const at::Tensor& wp, const Done& done) {
   int64_t M = xs.size(0), K = xs.size(1), panel = 16 * K;
-  std::vector<float> xf(M * K);
+  // widened 8 at a time into the calling thread's kept buffer, while the other thread waits: a fresh
+  // zeroed vector and a scalar loop a call made a 5-row tree step 1.6% slower (Zen 3, side by side)
+  static thread_local std::vector<float> xf;
+  if ((int64_t)xf.size() < M * K) xf.resize(M * K);
   auto xb = (const uint16_t*)xs.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_float(xb[i]);
+  int64_t i = 0;
+  for (; i + 8 <= M * K; i += 8) _mm256_storeu_ps(xf.data() + i, load_bf16(xb + i));
+  for (; i < M * K; i++) xf[i] = bf16_to_float(xb[i]);
   const float* xp = xf.data();
   auto wq = (const uint16_t*)wp.data_ptr<at::BFloat16>();
   at::parallel_for(0, wp.size(0) / 2, 1, [&](int64_t t0, int64_t t1) {
