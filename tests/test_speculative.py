@@ -901,6 +901,40 @@ def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
     assert grid["nodes"] != c["nodes"]
 
 
+def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, monkeypatch):
+    """The n-gram drafter has no acceptance.json: `auto` weighs its chain's hits as bench.py
+    --acceptance measured them beside the shipped heads of the base model (pooled), and chooses a
+    chain as deep as the costs pay for, or plain decoding where rows are dear; for another base
+    model, with nothing measured, chain4 (not a trained head's tree16)."""
+    import json
+    import checkpoint
+    from heads import NGram
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
+    model, head = tiny_model(), NGram(TINY.vocab_size, 3)
+    files = costs.ngram_acceptance(3)
+    assert len(files) == 3 and costs.ngram_acceptance(3, "ckpt/other") == [] and costs.ngram_acceptance(5) == []
+    steps = [json.loads(f.read_text())["step"]["lookup"] for f in files]
+    roots = sum(s["roots"] for s in steps)
+    hits = [sum(c) / roots for c in zip(*(s["counts"]["3"] for s in steps))]
+    chosen = {}
+    for per_row in (0.02e-3, 1.5e-3, 5e-3):  # a row nearly free, dear, dearer than the chain's hits pay for
+        f = lambda N: 10e-3 + per_row * (N - 1)
+        monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, tree=None, **k:
+                            ({N: f(N) for N in rows}, {d: 0.05e-3 * d for d in depths},
+                             {"ar": 10e-3, "spec": f(len(tree) + 1) + 0.05e-3 * len(tree)} if tree else {}))
+        monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{per_row}")
+        tree = G.resolve_tree(model, head, "ngram", "auto", "cpu")
+        # the best chain depth by brute force, with the same costs (0: plain decoding)
+        best = max(range(len(hits) + 1), key=lambda j: (1 + sum(hits[:j])) * f(1) / (f(j + 1) + 0.05e-3 * j))
+        assert tree == ([[0] * j for j in range(1, best + 1)] if best else None)
+        if best:
+            assert G.resolve_tree.choice["tau"] == pytest.approx(1 + sum(hits[:best]))
+        chosen[per_row] = best
+    assert chosen[0.02e-3] == len(hits) == 8 and 0 < chosen[1.5e-3] < 8 and chosen[5e-3] == 0, chosen
+    monkeypatch.setattr(costs, "ngram_acceptance", lambda n, checkpoint=None: [])
+    assert G.resolve_tree(model, head, "ngram", "auto", "cpu") == "chain4"
+
+
 def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_path):
     """bench.py --acceptance notes, at each step of a big tree, the deepest head node and the lookup
     tokens the base accepted. Over a decode they add up to what the step accepted; and since a node's
