@@ -211,7 +211,8 @@ def ngram_acceptance(n: int, checkpoint=None) -> list:
     files = []
     for f in sorted((Path(__file__).parent / "heads").glob("*/acceptance.json")):
         step = json.loads(f.read_text()).get("step", {})
-        if step.get("checkpoint") == str(checkpoint or "default") and str(n) in step.get("lookup", {}).get("counts", {}):
+        counts = step.get("lookup", {}).get("counts", {})
+        if step.get("checkpoint") == str(checkpoint or "default") and str(n) in counts:
             files.append(f)
     return files
 

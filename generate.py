@@ -149,14 +149,16 @@ def speculator(model, head, tree="tree16", dynamic=None, acceptance="greedy", te
 def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, checkpoint=None):
     """--tree as the speculator takes it: `auto` becomes the tree costs.auto_tree chooses (a list of index
     paths), or None where plain decoding is predicted fastest; a head with no measured acceptance
-    gets tree16 (the n-gram drafter chain4). Prints what was chosen and the predicted speed-up (kept in resolve_tree.choice)."""
+    gets tree16 (the n-gram drafter chain4). Prints what was chosen and the predicted speed-up
+    (kept in resolve_tree.choice)."""
     if tree != "auto":
         return tree
     folder = Path(str(heads_dir))
     import costs  # (it times this module's steps)
     choice = resolve_tree.choice = costs.auto_tree(model, head, folder, device, compile_mode, checkpoint)
-    if choice is None and isinstance(head, NGram):  # one branch: a chain, as deep as prompt lookup reaches often
-        print("--tree auto: no measured acceptance of the n-gram drafter for this base model, so chain4", file=sys.stderr)
+    if choice is None and isinstance(head, NGram):  # one branch: a chain
+        print("--tree auto: no measured acceptance of the n-gram drafter for this base model, so chain4",
+              file=sys.stderr)
         return "chain4"
     if choice is None:
         print(f"--tree auto: {folder} has no acceptance.json (train.py writes it), so tree16", file=sys.stderr)
