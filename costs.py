@@ -203,18 +203,21 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
     return o[0], o[1]
 
 
-def ngram_acceptance(n: int, checkpoint=None) -> list:
-    """The n-gram drafter's acceptance: it has no acceptance.json of its own, but `bench.py
-    --acceptance` measured its chain beside each shipped head of the base model (heads/*/), on the
-    calibration prompts. The chain's tokens are checked against the base's own greedy tokens, so
-    its hits do not depend on the head beside it; the files are pooled. [] for another base model."""
-    files = []
-    for f in sorted((Path(__file__).parent / "heads").glob("*/acceptance.json")):
-        step = json.loads(f.read_text()).get("step", {})
-        counts = step.get("lookup", {}).get("counts", {})
-        if step.get("checkpoint") == str(checkpoint or "default") and str(n) in counts:
-            files.append(f)
-    return files
+def ngram_acceptance(n: int, checkpoint=None):
+    """The n-gram drafter's acceptance, as a head's acceptance.json gives it: it has none of its own,
+    but `bench.py --acceptance` measured its chain beside each shipped head of the base model
+    (heads/*/), on the calibration prompts. The chain's tokens are checked against the base's own
+    greedy tokens, so its hits do not depend on the head beside it; the files are pooled. The chain
+    is a head of one path: [0] * j right as often as the lookup's first j tokens. None for another
+    base model."""
+    steps = [s for f in sorted((Path(__file__).parent / "heads").glob("*/acceptance.json"))
+             for s in [json.loads(f.read_text()).get("step", {})]
+             if s.get("checkpoint") == str(checkpoint or "default") and str(n) in s.get("lookup", {}).get("counts", {})]
+    if not steps:
+        return None
+    hits = [sum(c) for c in zip(*(s["lookup"]["counts"][str(n)] for s in steps))]
+    return dict(roots=sum(s["lookup"]["roots"] for s in steps), paths=[[0] * j for j in range(1, len(hits) + 1)],
+                counts=hits)
 
 
 def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None):
@@ -224,23 +227,22 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     `bench.py --acceptance` ran, counts measured in the step on realistic prompts, the lookup chain
     beside the head (its "step"): those are preferred; the n-gram drafter's chain: ngram_acceptance.
     None: no acceptance measured (official checkpoints; the n-gram drafter on another base model)."""
-    ngram = isinstance(head, NGram)
-    sources = ngram_acceptance(head.n, checkpoint) if ngram else [Path(heads_dir) / "acceptance.json"]
-    if not sources or not all(f.is_file() for f in sources):
+    if isinstance(head, NGram):
+        acc, heldout = ngram_acceptance(head.n, checkpoint), {}
+        stamp = acc and json.dumps(acc).encode()
+    else:
+        path = Path(heads_dir) / "acceptance.json"
+        stamp = path.is_file() and path.read_bytes()
+        heldout = json.loads(stamp) if stamp else {}
+        acc = heldout.get("step", heldout)
+    if not stamp:
         return None
     # the choice is kept too, with the step overhead it was weighed with: a later run names it at once
     key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "choice",
-           "acceptance": hashlib.sha1(b"".join(f.read_bytes() for f in sources)).hexdigest()}
+           "acceptance": hashlib.sha1(stamp).hexdigest()}
     kept = cache_file(key, ckpt.CACHE_DIR, "tree-auto")
     if kept.is_file():
         return json.loads(kept.read_text())
-    heldout = json.loads(sources[0].read_text())
-    acc = heldout.get("step", heldout)
-    if ngram:  # its chain is a head of one path: [0] * j right as often as the lookup's first j tokens
-        steps = [json.loads(f.read_text())["step"] for f in sources]
-        hits = [sum(c) for c in zip(*(s["lookup"]["counts"][str(head.n)] for s in steps))]
-        acc = dict(roots=sum(s["lookup"]["roots"] for s in steps), paths=[[0] * j for j in range(1, len(hits) + 1)],
-                   counts=hits)
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
     depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))

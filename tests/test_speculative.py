@@ -907,15 +907,17 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
     chain as deep as the costs pay for, or plain decoding where rows are dear; for another base
     model, with nothing measured, chain4 (not a trained head's tree16)."""
     import json
+    from pathlib import Path
     import checkpoint
     from heads import NGram
-    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
     model, head = tiny_model(), NGram(TINY.vocab_size, 3)
-    files = costs.ngram_acceptance(3)
-    assert len(files) == 3 and costs.ngram_acceptance(3, "ckpt/other") == [] and costs.ngram_acceptance(5) == []
-    steps = [json.loads(f.read_text())["step"]["lookup"] for f in files]
+    shipped = sorted((Path(costs.__file__).parent / "heads").glob("*/acceptance.json"))
+    steps = [json.loads(f.read_text())["step"]["lookup"] for f in shipped]
+    assert len(steps) == 3 and costs.ngram_acceptance(3, "ckpt/other") is None and costs.ngram_acceptance(5) is None
     roots = sum(s["roots"] for s in steps)
     hits = [sum(c) / roots for c in zip(*(s["counts"]["3"] for s in steps))]
+    acc = costs.ngram_acceptance(3)
+    assert acc["roots"] == roots and [c / roots for c in acc["counts"]] == pytest.approx(hits)
     chosen = {}
     for per_row in (0.02e-3, 1.5e-3, 5e-3):  # a row nearly free, dear, dearer than the chain's hits pay for
         f = lambda N: 10e-3 + per_row * (N - 1)
@@ -931,7 +933,7 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
             assert G.resolve_tree.choice["tau"] == pytest.approx(1 + sum(hits[:best]))
         chosen[per_row] = best
     assert chosen[0.02e-3] == len(hits) == 8 and 0 < chosen[1.5e-3] < 8 and chosen[5e-3] == 0, chosen
-    monkeypatch.setattr(costs, "ngram_acceptance", lambda n, checkpoint=None: [])
+    monkeypatch.setattr(costs, "ngram_acceptance", lambda n, checkpoint=None: None)
     assert G.resolve_tree(model, head, "ngram", "auto", "cpu") == "chain4"
 
 
