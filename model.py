@@ -145,6 +145,8 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
+    token_rows = False  # a new token's attention is rows_attention's, as a tree row's (cpu_kernels.TileAttention)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
@@ -157,7 +159,7 @@ class Attention(nn.Module):
                 tree_mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         qkv = self.wqkv(x)
-        if T > 1 and tree_mask is None:  # prefill, a tree's rows with tree_sdpa, and EAGLE's draft rows
+        if tree_mask is None and (T > 1 or self.token_rows):  # prefill, a tree's rows with tree_sdpa, EAGLE's draft rows
             return self.wo(self.rows_attention(qkv, freqs_cis, mask, cache_pos))
         q, k, v, k_new, v_new = self.cached(qkv, freqs_cis, mask, cache_pos)
         if tree_mask is not None:

@@ -225,6 +225,40 @@ def test_rows_attention_kernel_is_rope_cache_and_sdpa(B, H, H_kv, T, L, P, two_t
 
 
 @amx
+@pytest.mark.parametrize("P", [62, 300])
+def test_tiles_token_attention_is_its_row_in_a_tree(P, two_threads):
+    """TileAttention: a new token (the AR step's, over its live span) goes through rows_attention as
+    a one-row tree, and gets bit for bit what it gets as the root of a tree over a longer span
+    (the tree mask gathered into the slots, as Transformer.forward hands it over); the caches alike."""
+    assert ck.build()
+    g = torch.Generator().manual_seed(P)
+    a = ck.install(Attention(ModelArgs(dim=576, n_head=9, n_kv_head=3)).bfloat16(), "cpu", torch.bfloat16)
+    assert type(a) is ck.TileAttention and a.token_rows
+    S = P + 80
+    a.kv_cache = KVCache(1, 3, S, 64, torch.bfloat16)
+    for c in (a.kv_cache.k_cache, a.kv_cache.v_cache):
+        c.copy_(torch.randn(c.shape, generator=g))
+    cache = [c.clone() for c in (a.kv_cache.k_cache, a.kv_cache.v_cache)]
+    x = torch.randn(1, 3, 576, generator=g).bfloat16()          # the token, then two more rows of a chain
+    freqs = precompute_freqs_cis(ModelArgs(), S)
+    span = lambda rows: -(-(P + rows) // 64) * 64                   # generate.live_span's rounding
+    L = span(1)
+    y = a(x[:, :1], freqs[P:P + 1], (torch.arange(L) <= P)[None, None, None], torch.tensor([P]))
+    token_cache = [c.clone() for c in (a.kv_cache.k_cache, a.kv_cache.v_cache)]
+    a.kv_cache.k_cache.copy_(cache[0]), a.kv_cache.v_cache.copy_(cache[1])
+    L = span(3)
+    mask = (torch.arange(L) < P)[None].repeat(3, 1)
+    mask[:, P:P + 3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    in_tree = a(x, freqs[P:P + 3], mask[None, None], P + torch.arange(3))
+    assert torch.equal(y[0, 0], in_tree[0, 0])
+    assert all(torch.equal(t[:, :, :P + 1], c[:, :, :P + 1]) for t, c in zip(token_cache, (a.kv_cache.k_cache, a.kv_cache.v_cache)))
+    # and SDPA's in fp32, within bf16 rounding
+    q, k, v, _, _ = Attention.cached(a, a.wqkv(x[:, :1]), freqs[P:P + 1], torch.ones(1, P + 1, dtype=torch.bool), torch.tensor([P]))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True).transpose(1, 2).reshape(1, 1, -1)
+    torch.testing.assert_close(y.float(), a.wo(ref.bfloat16()).float(), rtol=0.02, atol=0.02 * y.float().abs().max().item())
+
+
+@amx
 @pytest.mark.parametrize("K", [64, 576])
 def test_tiles_glu_is_silu_gate_times_up(K, two_threads):
     """Bit for bit what the compiled FeedForward makes of the two projections: each rounded to bf16,
