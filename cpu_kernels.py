@@ -1,5 +1,5 @@
 """The steps' bf16 kernels for CPUs: with AVX-512 bf16 and without AMX (AMD Zen 4) a tree's rows'
-projections and attention; with AMX (Intel Xeon) every step's projections and a tree's attention;
+projections and attention; with AMX (Intel Xeon) every step's projections and attention;
 with AVX2 only (AMD Zen 3) every projection and a tree's attention.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch

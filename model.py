@@ -159,7 +159,8 @@ class Attention(nn.Module):
                 tree_mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         qkv = self.wqkv(x)
-        if tree_mask is None and (T > 1 or self.token_rows):  # prefill, a tree's rows with tree_sdpa, EAGLE's draft rows
+        # prefill, a tree's rows with tree_sdpa, EAGLE's draft rows; with token_rows also a new token
+        if tree_mask is None and (T > 1 or self.token_rows):
             return self.wo(self.rows_attention(qkv, freqs_cis, mask, cache_pos))
         q, k, v, k_new, v_new = self.cached(qkv, freqs_cis, mask, cache_pos)
         if tree_mask is not None:
