@@ -192,16 +192,20 @@ def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prom
 
 def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     """How often the head's drafts are accepted, measured the way a step drafts and verifies them
-    (EAGLE on the base's own features, the lookup chain beside the head): greedy speculative decoding
-    of each prompt with a big static tree of index paths `paths` (and a WithLookup head's chain),
-    noting at each step the deepest head node and the lookup tokens the base accepted. Under greedy
-    acceptance whether a node is accepted depends on it and its ancestors only, so what this tree
-    sees holds for each of its subtrees. Returns trees.step_counts (what choose_tree takes)."""
+    (EAGLE on the base's own features, the lookup chain beside the head), at every position of each
+    prompt's greedy text: a step of a big static tree of index paths `paths` (and a WithLookup
+    head's chain) at each, noting the deepest head node and the lookup tokens the base accepted
+    there, then keeping the root's own next token only. Under greedy acceptance whether a node is
+    accepted depends on it and its ancestors only, so what this tree sees at a root holds for each
+    of its subtrees, and walking the positions (trees.walk_tau) gives any subtree's decode, step by
+    step. Returns trees.step_counts at the roots the big tree's own decode steps on (what
+    choose_tree takes) and `walk`: per prompt, per position, the index in its paths of the deepest
+    accepted head path (-1: none) and the lookup's right tokens."""
     lookup = isinstance(head, WithLookup)
     plan = static_plan(paths, lookup)                             # the speculator's node order
     draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
     parents, heads_own = plan.tree.parents.tolist(), {tuple(p) for p in paths}
-    observed = []
+    observed, lengths = [], []
 
     def noting(logits, draft_tokens, tree):  # eager: a host sync a step is fine here
         target, tokens = logits.argmax(-1).tolist(), draft_tokens.tolist()
@@ -213,7 +217,8 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
             elif right[i]:
                 k = max(k, len(plan.paths[i]))
         observed.append((best, k))
-        return accept(logits, draft_tokens, tree)
+        path = torch.zeros_like(tree.retrieve_indices[0])         # the root alone: the next position is a root
+        return path[0], path, torch.tensor(target[0], device=path.device)
 
     texts = [ids for ids in (tok.encode(tok.chat([{"role": "user", "content": t}])) for t in read_prompts(prompts))
              if len(ids) <= max_prompt]
@@ -221,10 +226,24 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     step = lambda h, t, k, P, span=None: G.spec_step(model, draft, noting, h, t, k, P, span)
     dev = model.output.weight.device
     with torch.inference_mode():
-        for ids in tqdm(texts, desc="decoding the prompts with a big tree", unit="prompt", file=sys.stderr):
+        for ids in tqdm(texts, desc="a big tree at every position", unit="prompt", file=sys.stderr):
             first, state = G.start(model, head, torch.tensor(ids, device=dev), depth, dict(temperature=0.0))
+            before = len(observed)
             G.decode(step, state, first, n, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
-    return dict(prompts=len(texts), **step_counts(observed, split_chain(paths)[0], head.ngram.n if lookup else 0))
+            lengths.append(len(observed) - before)
+    roots, at = [], 0  # the big tree's own decode: a step takes the deeper of the two, then the token after
+    for length in lengths:
+        i, end = at, at + length
+        while i < end:
+            roots.append(observed[i])
+            i += 1 + max(len(observed[i][0]), observed[i][1])
+        at = end
+    counts = step_counts(roots, split_chain(paths)[0], head.ngram.n if lookup else 0)
+    index = {tuple(p): i for i, p in enumerate(counts["paths"])}
+    walk = dict(lengths=lengths, best=[index[p] if p else -1 for p, _ in observed])
+    if lookup:
+        walk["lookup"] = [k for _, k in observed]
+    return dict(prompts=len(texts), **counts, walk=walk)
 
 
 def main():
@@ -459,7 +478,8 @@ def measure_acceptance(args, model, tok, head):
     head_rates = ", ".join(f"{p} {c / R:.0%}" for p, c in zip(step["paths"][:6], step["counts"]))
     lookup_rates = "".join(f"; lookup (n={k}) right 1-{len(v)} deep at " + "/".join(f"{c / R:.0%}" for c in v)
                            for k, v in step["lookup"]["counts"].items() if v)
-    print(f"{path}: {R} steps over {step['prompts']} prompts ({time.perf_counter() - t0:.0f} s); the accepted "
+    print(f"{path}: {sum(step['walk']['lengths'])} positions over {step['prompts']} prompts "
+          f"({time.perf_counter() - t0:.0f} s); the big tree's own decode took {R} steps, where the accepted "
           f"path starts with {head_rates}{lookup_rates}")
 
 

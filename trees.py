@@ -204,6 +204,49 @@ def step_counts(observed: list, paths: list, n: int) -> dict:
                 both={str(n): [both[p] for p in paths]}, lookup=dict(roots=len(observed), counts={str(n): hits}))
 
 
+def walk_tau(walk: list, trees: list) -> list:
+    """Tokens a step of each tree, walked through known text: decoding accepts, at a root, the deeper
+    of the head's accepted path within the tree and the lookup chain's right tokens (as deep as the
+    chain), then roots at the token after them. walk: per prompt, per position of its greedy text
+    (each a root, bench.py --acceptance), (the deepest path of a big tree the base accepts there,
+    as a tuple; how many of the lookup chain's tokens are right). trees: [(the head's index paths,
+    a set of tuples within the big tree; the lookup chain's depth)]. Counting hits at the roots of
+    one tree's decode overrates another tree's: its roots fall elsewhere, and hits come in runs
+    (a repeated span), which a stronger tree crosses in fewer steps (docs/speed.md)."""
+    seen = sorted({p for prompt in walk for p, _ in prompt}, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(seen)}
+    best = torch.tensor([index[p] for prompt in walk for p, _ in prompt], dtype=torch.long)   # [M]
+    k = torch.tensor([j for prompt in walk for _, j in prompt], dtype=torch.long)             # [M]
+    ends = torch.tensor([e for prompt, e in zip(walk, torch.tensor([len(w) for w in walk]).cumsum(0).tolist())
+                         for _ in prompt], dtype=torch.long)                                   # [M]
+    M, taus = best.shape[0], []
+    for lo in range(0, len(trees), 256):  # [C, M] accepted tokens a step, in chunks of trees
+        chunk = trees[lo:lo + 256]
+        within = torch.tensor([[max(d for d in range(len(p) + 1) if d == 0 or p[:d] in nodes) for p in seen]
+                               for nodes, _ in chunk], dtype=torch.long)                       # [C, P]
+        chain = torch.tensor([c for _, c in chunk], dtype=torch.long)[:, None]
+        jump = torch.minimum(torch.arange(M) + 1 + torch.maximum(within[:, best], k.minimum(chain)), ends)
+        jump = torch.cat([jump, torch.full((len(chunk), 1), M)], 1)                             # [C, M+1]
+        at, steps = torch.zeros(len(chunk), dtype=torch.long), torch.zeros(len(chunk), dtype=torch.long)
+        while (at < M).any():
+            steps += at < M
+            at = jump.gather(1, at[:, None])[:, 0]
+        taus += (M / steps.clamp(min=1)).tolist()
+    return taus
+
+
+def step_walk(step: dict, lookup: bool = True) -> list:
+    """bench.py --acceptance's positions (its step's "walk") as walk_tau takes them: per prompt, per
+    position (the deepest accepted head path, () for none; the lookup's right tokens, 0 without)."""
+    w, paths = step["walk"], [tuple(p) for p in step["paths"]] + [()]  # best -1: ()
+    ks = w.get("lookup") if lookup else None
+    out, at = [], 0
+    for length in w["lengths"]:
+        out.append([(paths[w["best"][i]], ks[i] if ks else 0) for i in range(at, at + length)])
+        at += length
+    return out
+
+
 def interpolate(costs: dict, n: int) -> float:
     """costs {N: seconds} measured at some N, read at n: piecewise linear, extended past the ends."""
     xs = sorted(costs)
@@ -216,7 +259,7 @@ def interpolate(costs: dict, n: int) -> float:
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
                 lookup: bool = False, lookup_hits: Optional[list] = None, both: Optional[dict] = None,
-                overhead: tuple = (0.0, 0.0)) -> dict:
+                overhead: tuple = (0.0, 0.0), walk: Optional[list] = None) -> dict:
     """The static tree that maximises expected tokens per second (Sequoia's objective) on this
     machine: for every size n and depth limit d, the best tree (best_subtrees) has expected tau
     1 + sum(counts) / roots and costs t_draft[depth] + t_verify(nodes) a step, against
@@ -234,17 +277,19 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     no independence is assumed: tau = 1 + sum_j b_j + sum over the tree's paths of (counts - both) / roots.
     overhead (o_ar, o_spec): seconds a decode step costs beyond its forwards (the loop's host sync,
     sampling or acceptance, compaction), added to plain decoding's step and to every tree's.
+    walk (walk_tau's, over the big tree whose steps gave the counts): then every tree the counts
+    propose is weighed at its tau walked through the text, at each chain depth.
     Returns dict(paths (None: plain decoding; with lookup, the chain's path [-1, 0, ...] last),
     nodes, depth (the head's), chain (the lookup chain's depth), tau, speedup: predicted, against plain
     decoding), plus `candidates`, the best of each size of the head's tree."""
     t_ar = interpolate(t_verify, 1) + overhead[0]
     best = dict(paths=None, nodes=1, depth=0, chain=0, tau=1.0, speedup=1.0)
-    candidates = []
     joint = lookup and lookup_hits and both is not None
     # a tree of the most frequent paths is best for counts alone (a prefix is as frequent as its
     # extensions), so only those enter the knapsack; joint counts cover the measured tree's paths only
     pool = counts if joint else {tuple(p): counts[tuple(p)] for p in best_paths(counts, max_nodes - 1)}
     worth = {p: c - (both.get(p, 0) if joint else 0) for p, c in pool.items()}
+    pending = []  # (the tree's size and depth, paths, nodes, depth, chain, tau)
     for d in range(1, max(t_draft) + 1):
         trees = best_subtrees(worth, max_nodes - 1, d)
         for n in range(1, max_nodes):
@@ -265,21 +310,24 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
             else:
                 tau_d = 1 + sum(counts[tuple(p)] for p in paths) / roots
             # past the tree's depth only the chain gets tokens: b_j more each, j up to the chain's depth
-            top = None
             for chain in range(depth, max(depth, len(lookup_hits or ())) + 1) if lookup else (0,):
-                nodes = n + 1 + chain
-                if nodes > max_nodes:
+                if n + 1 + chain > max_nodes:
                     break
                 tau = tau_d + sum(lookup_hits[depth:chain]) if chain > depth else tau_d
-                speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) +
-                                       overhead[1])
-                if top is None or speedup > top["speedup"]:
-                    top = dict(paths=paths + ([[-1] + [0] * (chain - 1)] if lookup else []), nodes=nodes,
-                               depth=depth, chain=chain, tau=tau, speedup=speedup)
-            if top is not None:
-                candidates.append(top)
-                if top["speedup"] > best["speedup"]:
-                    best = top
+                pending.append(((n, d), paths, n + 1 + chain, depth, chain, tau))
+    if walk is not None and pending:
+        taus = walk_tau(walk, [({tuple(p) for p in c[1]}, c[4]) for c in pending])
+        pending = [(*c[:5], tau) for c, tau in zip(pending, taus)]
+    tops = {}  # the best chain for each tree
+    for size, paths, nodes, depth, chain, tau in pending:
+        speedup = tau * t_ar / (interpolate(t_draft, depth) + interpolate(t_verify, nodes) + overhead[1])
+        if size not in tops or speedup > tops[size]["speedup"]:
+            tops[size] = dict(paths=paths + ([[-1] + [0] * (chain - 1)] if lookup else []), nodes=nodes,
+                              depth=depth, chain=chain, tau=tau, speedup=speedup)
+    candidates = list(tops.values())
+    for top in candidates:
+        if top["speedup"] > best["speedup"]:
+            best = top
     return {**best, "candidates": candidates}
 
 

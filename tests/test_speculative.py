@@ -901,6 +901,38 @@ def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
     assert grid["nodes"] != c["nodes"]
 
 
+def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch):
+    """Trees predicted within costs.NEAR of the best are a tie the tables cannot break: each is timed
+    as a whole step beside plain decoding's, and the fastest so is chosen; a tree whose step costs
+    more than its forwards promise loses to its neighbour."""
+    import json
+    import checkpoint
+    model, head = tiny_model(), randomize(make_head("hydra", TINY), 1)
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    # 5, 4 and 3 nodes are within 1% of each other (tau 2.44, 2.43, 2.42)
+    (folder / "acceptance.json").write_text(json.dumps(dict(roots=100, paths=[[0], [0, 0], [1], [2], [1, 0]],
+                                                            counts=[80, 60, 2, 1, 1])))
+    timed = []
+
+    def chosen(whole):  # whole: the tree step's seconds, by the tree
+        monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, tree=None, **k:
+                            timed.append(tree) or ({N: 2e-3 for N in rows}, {d: 0.2e-3 * d for d in depths},
+                                                   {"ar": 2e-3, "spec": whole(tree)} if tree else {}))
+        monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{len(timed)}")
+        return G.resolve_tree(model, head, folder, "auto", "cpu"), G.resolve_tree.choice
+
+    tree, c = chosen(lambda tree: 2.6e-3)
+    assert len(tree) == 5 and c["timed"] == [6, 5, 4]
+    assert [len(t) for t in timed if t] == [5, 4, 3]  # the first choice, then the other near ones (it is cached)
+    tree, c = chosen(lambda tree: 4e-3 if len(tree) == 5 else 2.6e-3)
+    assert len(tree) == 4 and c["speedup"] == pytest.approx(c["tau"] * 2e-3 / 2.6e-3)
+    assert c["tau"] == pytest.approx(2.43) and c["overhead"][1] == pytest.approx(2.6e-3 - 2e-3 - 0.4e-3)
+    assert next(d for d in c["candidates"] if d["nodes"] == 6)["speedup"] == pytest.approx(2.44 * 2e-3 / 4e-3)
+    tree, c = chosen(lambda tree: 8e-3)  # every near tree's step dearer than plain decoding's pays for
+    assert tree is None and c["paths"] is None
+
+
 def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, monkeypatch):
     """The n-gram drafter has no acceptance.json: `auto` weighs its chain's hits as bench.py
     --acceptance measured them beside the shipped heads of the base model (pooled), and chooses a
@@ -918,6 +950,10 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
     hits = [sum(c) / roots for c in zip(*(s["counts"]["3"] for s in steps))]
     acc = costs.ngram_acceptance(3)
     assert acc["roots"] == roots and [c / roots for c in acc["counts"]] == pytest.approx(hits)
+    # measured at every position (bench.py --acceptance since 2026-12-07): each depth's tau walked, not summed
+    tau = [T.walk_tau(acc["walk"], [({(0,) * i for i in range(1, j + 1)}, 0)])[0] if "walk" in acc
+           else 1 + sum(hits[:j]) for j in range(len(hits) + 1)]
+    assert tau == sorted(tau) and ("walk" not in acc or tau[8] < 1 + sum(hits) - 0.1)  # the roots' counts overrate
     chosen = {}
     for per_row in (0.02e-3, 1.5e-3, 5e-3):  # a row nearly free, dear, dearer than the chain's hits pay for
         f = lambda N: 10e-3 + per_row * (N - 1)
@@ -927,10 +963,10 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{per_row}")
         tree = G.resolve_tree(model, head, "ngram", "auto", "cpu")
         # the best chain depth by brute force, with the same costs (0: plain decoding)
-        best = max(range(len(hits) + 1), key=lambda j: (1 + sum(hits[:j])) * f(1) / (f(j + 1) + 0.05e-3 * j))
+        best = max(range(len(hits) + 1), key=lambda j: tau[j] * f(1) / (f(j + 1) + 0.05e-3 * j))
         assert tree == ([[0] * j for j in range(1, best + 1)] if best else None)
         if best:
-            assert G.resolve_tree.choice["tau"] == pytest.approx(1 + sum(hits[:best]))
+            assert G.resolve_tree.choice["tau"] == pytest.approx(tau[best])
         chosen[per_row] = best
     assert chosen[0.02e-3] == len(hits) == 8 and 0 < chosen[1.5e-3] < 8 and chosen[5e-3] == 0, chosen
     monkeypatch.setattr(costs, "ngram_acceptance", lambda n, checkpoint=None: None)
@@ -975,6 +1011,7 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
     # over a decode: as many steps, and every accepted token counted once, by the head or the chain
     text = "Write the multiplication table of 3 from 3 x 1 to 3 x 10."
     f.write_text(json.dumps({"prompt": text}) + "\n")
+    big = big + [[-1] + [0] * 7]  # and the lookup chain deeper than the head's tree, as --acceptance measures it
     acc = bench.step_acceptance(model, tok, head, big, f, 48, 256)
     draft, accept, depth, nodes, scratch = G.speculator(model, head, big)
     G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
@@ -984,9 +1021,27 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
         out = G.spec_step(model, draft, accept, *state)
         counts.append(int(out[1]))
         return out
+
+    def first_decode(head, tree):  # (tokens, steps)
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+        G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
+        with torch.inference_mode():
+            first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+            out = G.decode(lambda *s: G.spec_step(model, draft, accept, *s), state, first, 48, tok.eos_id,
+                           span=(G.live_span(model, nodes), len(ids)))
+        return out, G.decode.steps
     with torch.inference_mode():
         first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
         G.decode(step, state, first, 48, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
     hits = acc["lookup"]["counts"]["3"]
     assert acc["roots"] == len(counts) and sum(hits) > 0
     assert sum(c - 1 for c in counts) == sum(acc["counts"]) - sum(acc["both"]["3"]) + sum(hits)
+
+    # every position a root: walking them gives each subtree's decode, step for step
+    walk = T.step_walk(acc)
+    tokens = sum(map(len, walk))
+    assert tokens == len(first_decode(head, big)[0]) - 1
+    for sub in (big, [[-1] + [0] * 7, [0]], [[-1, 0, 0], [0], [1], [0, 0]], T.load_tree("chain4")):
+        out, steps = first_decode(head, sub)
+        assert T.walk_tau(walk, [({tuple(p) for p in T.split_chain(sub)[0]},
+                                  T.split_chain(sub)[1] or max(map(len, sub)))]) == [pytest.approx(tokens / steps)]

@@ -391,6 +391,72 @@ def test_choose_tree_with_joint_lookup_counts_is_the_fastest_by_brute_force(obse
     assert r["speedup"] == pytest.approx(best)
 
 
+def replay(walk, nodes, chain):
+    """Decoding replayed position by position: tokens a step."""
+    tokens = steps = 0
+    for prompt in walk:
+        i = 0
+        while i < len(prompt):
+            p, k = prompt[i]
+            i += 1 + max(max(d for d in range(len(p) + 1) if d == 0 or p[:d] in nodes), min(k, chain))
+            steps += 1
+        tokens += len(prompt)
+    return tokens / steps
+
+
+@st.composite
+def walks(draw):
+    """Per prompt, per position: the accepted head path (choices < 3, at most 2 deep) and the lookup's
+    right tokens (0-4), often in runs, as a repeated span gives them."""
+    path = st.sampled_from([(), (0,), (0, 0), (0, 1), (1,), (1, 0), (2,), (0, 2)])
+    prompt = st.lists(st.tuples(path, st.sampled_from([0, 0, 1, 2, 4])), min_size=1, max_size=30)
+    return draw(st.lists(prompt, min_size=1, max_size=3))
+
+
+@FAST
+@given(walks(), st.lists(st.tuples(st.sets(st.sampled_from([(0,), (0, 0), (0, 1), (1,), (1, 0), (2,)])),
+                                   st.integers(0, 4)), min_size=1, max_size=5))
+def test_walk_tau_is_the_decode_replayed(walk, trees):
+    trees = [({p for p in nodes if p[:-1] in nodes or len(p) == 1}, chain) for nodes, chain in trees]
+    assert T.walk_tau(walk, trees) == [pytest.approx(replay(walk, *t)) for t in trees]
+
+
+@FAST
+@given(walks(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3), st.floats(0.0, 0.5))
+def test_choose_tree_walks_each_candidate(walk, rows, level):
+    """With positions measured, each candidate tree and chain is weighed at its tau walked through
+    the text (not summed from the big tree's roots), and the fastest of them is chosen."""
+    nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
+    observed = [w for prompt in walk for w in prompt]
+    acc = T.step_counts(observed, nodes, 3)
+    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
+    both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"]["3"])}
+    hits = [c / acc["roots"] for c in acc["lookup"]["counts"]["3"]]
+    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
+    t_draft = {1: level, 2: 2 * level}
+    r = T.choose_tree(counts, acc["roots"], t_verify, t_draft, max_nodes=8, lookup=True, lookup_hits=hits,
+                      both=both, walk=walk)
+    for c in r["candidates"]:
+        head, chain = T.split_chain(c["paths"])
+        tau = replay(walk, {tuple(p) for p in head}, chain)
+        assert c["tau"] == pytest.approx(tau)
+        assert c["speedup"] == pytest.approx(tau / (level * c["depth"] + T.interpolate(t_verify, c["nodes"])))
+        for deeper in range(chain + 1, min(len(hits), 8 - len(head) - 1) + 1):  # the best chain for this tree
+            speed = replay(walk, {tuple(p) for p in head}, deeper) / (level * c["depth"] +
+                                                                     T.interpolate(t_verify, len(head) + 1 + deeper))
+            assert speed <= c["speedup"] * (1 + 1e-6)
+    assert r["speedup"] == pytest.approx(max([1.0] + [c["speedup"] for c in r["candidates"]]))
+
+
+def test_walk_tau_weighs_a_run_of_lookup_hits_once():
+    """A repeated span: from each of its positions the chain is right to its end. Counted at every
+    position the chain 4 deep is right 18 times in 26, tau 1.69; walked, the span takes 2 steps
+    (4 tokens and the bonus, then 1 and the bonus), and the 26 positions 21 steps."""
+    walk = [[((), 0)] * 10 + [((), 4), ((), 4), ((), 4), ((), 3), ((), 2), ((), 1)] + [((), 0)] * 10]
+    assert 1 + sum(min(k, 4) for _, k in walk[0]) / 26 == pytest.approx(1.69, abs=0.01)
+    assert T.walk_tau(walk, [(set(), 4), (set(), 2), (set(), 0)]) == pytest.approx([26 / 21, 26 / 22, 1.0])
+
+
 # ------------------------------------------------------------------ dynamic trees
 
 @st.composite
