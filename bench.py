@@ -199,8 +199,9 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     accepted depends on it and its ancestors only, so what this tree sees at a root holds for each
     of its subtrees, and walking the positions (trees.walk_tau) gives any subtree's decode, step by
     step. Returns trees.step_counts at the roots the big tree's own decode steps on (what
-    choose_tree takes) and `walk`: per prompt, per position, the index in its paths of the deepest
-    accepted head path (-1: none) and the lookup's right tokens."""
+    choose_tree takes) and `walk`: the positions of each prompt (lengths), at each the index in its
+    paths of the deepest accepted head path (best; -1: none) and the lookup's right tokens (lookup:
+    {n: [...]}; trees.step_walk reads them)."""
     lookup = isinstance(head, WithLookup)
     plan = static_plan(paths, lookup)                             # the speculator's node order
     draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
@@ -242,7 +243,7 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     index = {tuple(p): i for i, p in enumerate(counts["paths"])}
     walk = dict(lengths=lengths, best=[index[p] if p else -1 for p, _ in observed])
     if lookup:
-        walk["lookup"] = [k for _, k in observed]
+        walk["lookup"] = {str(head.ngram.n): [k for _, k in observed]}
     return dict(prompts=len(texts), **counts, walk=walk)
 
 

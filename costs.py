@@ -17,7 +17,7 @@ from tqdm import tqdm
 import checkpoint as ckpt
 import generate as G
 from heads import NGram, WithLookup, draft_static, plan_to, static_plan
-from trees import choose_tree, interpolate, split_chain, step_walk
+from trees import PLAIN, choose_tree, interpolate, split_chain, step_walk
 
 # tree rows and draft depths timed for --tree auto: every size up to 32 rows (the forwards over 2 or more
 # rows are one compiled graph with the rows symbolic, so sizes cost only their run time, and no size is
@@ -138,7 +138,8 @@ def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
 
 def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, heads_dir=None) -> dict:
     """What a step part's cost depends on: the machine, the model, its dtype, the mode, the engine's
-    code; for the draft also the head's files and its lookup branch."""
+    code; for the draft also the head's files and its lookup branch (its n-gram length: the choice weighs
+    that lookup's acceptance)."""
     code = hashlib.sha1(b"".join((Path(__file__).parent / f).read_bytes() for f in ENGINE)).hexdigest()[:12]
     key = dict(machine=G.machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
@@ -149,7 +150,7 @@ def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, 
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
                      if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
     return {**key, "part": "draft", "heads": str(folder.resolve()), "weights": weights,
-            "lookup": isinstance(head, WithLookup)}
+            "lookup": head.ngram.n if isinstance(head, WithLookup) else 0}
 
 
 def timing_compiler(model, device: str, compile_mode, checkpoint):
@@ -218,8 +219,7 @@ def ngram_acceptance(n: int, checkpoint=None):
         return None
     hits = [sum(c) for c in zip(*(s["lookup"]["counts"][str(n)] for s in steps))]
     # where the chain was measured at every position: as the walk of a head of one path
-    walk = [[((0,) * k, 0) for _, k in prompt] for s in steps if "lookup" in s.get("walk", {})
-            for prompt in step_walk(s)]
+    walk = [[((0,) * k, 0) for _, k in prompt] for s in steps for prompt in step_walk(s, n) or ()]
     return dict(roots=sum(s["lookup"]["roots"] for s in steps), paths=[[0] * j for j in range(1, len(hits) + 1)],
                 counts=hits, **({"walk": walk} if walk else {}))
 
@@ -260,9 +260,8 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     elif lookup and n in heldout.get("lookup", {}).get("counts", {}):
         hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
 
-    walk = acc.get("walk")
-    if walk is not None and not isinstance(head, NGram):  # measured at every position: walked, not summed
-        walk = step_walk(acc, lookup)
+    # measured at every position (with this lookup, if any): each tree's tau walked, not summed
+    walk = acc.get("walk") if isinstance(head, NGram) else step_walk(acc, int(n) if lookup else 0)
     choose = lambda overhead=(0.0, 0.0): choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup,
                                                      lookup_hits=hits, both=both, overhead=overhead, walk=walk)
     choice = choose()
@@ -272,23 +271,21 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
                                  choice["paths"])
         choice = {**choose(overhead), "overhead": list(overhead)}
-        # predictions within a few percent are a tie that one cost table cannot break (Xeon 207: 10 and 16
-        # nodes predicted 0.7% apart, 1.81x and 1.85x on Spec-Bench): each of them is weighed at its own
-        # whole step, timed beside plain decoding's (a compile each); the best of each size, since what the
-        # tables can miss is what the rows cost
-        near = {}
-        for c in sorted(choice["candidates"], key=lambda c: -c["speedup"]):
-            if c["speedup"] >= (1 - NEAR) * choice["speedup"] and len(near) < NEAR_TREES:
-                near.setdefault(c["nodes"], c)
-        near = list(near.values())
-        for c in near if len(near) > 1 else ():  # (the first chosen one's is cached)
+    # predictions within a few percent are a tie that one cost table cannot break (Xeon 207: 10 and 16
+    # nodes predicted 0.7% apart, 1.81x and 1.85x on Spec-Bench): each of them is weighed at its own
+    # whole step, timed beside plain decoding's (a compile each); the best of each size, since what the
+    # tables can miss is what the rows cost
+    near = {}
+    for c in sorted(choice["candidates"], key=lambda c: -c["speedup"]) if choice["paths"] is not None else ():
+        if c["speedup"] >= (1 - NEAR) * choice["speedup"] and len(near) < NEAR_TREES:
+            near.setdefault(c["nodes"], c)
+    if len(near) > 1:
+        for c in near.values():  # (the tree first chosen was timed already: cached)
             o = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft, c["paths"])
             c.update(overhead=list(o), speedup=c["tau"] * (interpolate(t_verify, 1) + o[0]) / (
                 interpolate(t_draft, c["depth"]) + interpolate(t_verify, c["nodes"]) + o[1]))
-        if len(near) > 1:
-            top = max(near, key=lambda c: c["speedup"])
-            plain = dict(paths=None, nodes=1, depth=0, chain=0, tau=1.0, speedup=1.0)
-            choice = {**choice, **(top if top["speedup"] > 1.0 else plain), "timed": [c["nodes"] for c in near]}
+        top = max(near.values(), key=lambda c: c["speedup"])
+        choice = {**choice, **(top if top["speedup"] > 1.0 else PLAIN), "timed": list(near)}
     kept.parent.mkdir(parents=True, exist_ok=True)
     tmp = kept.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(choice))

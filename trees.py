@@ -217,11 +217,11 @@ def walk_tau(walk: list, trees: list) -> list:
     index = {p: i for i, p in enumerate(seen)}
     best = torch.tensor([index[p] for prompt in walk for p, _ in prompt], dtype=torch.long)   # [M]
     k = torch.tensor([j for prompt in walk for _, j in prompt], dtype=torch.long)             # [M]
-    ends = torch.tensor([e for prompt, e in zip(walk, torch.tensor([len(w) for w in walk]).cumsum(0).tolist())
-                         for _ in prompt], dtype=torch.long)                                   # [M]
-    M, taus = best.shape[0], []
-    for lo in range(0, len(trees), 256):  # [C, M] accepted tokens a step, in chunks of trees
-        chunk = trees[lo:lo + 256]
+    lengths = torch.tensor([len(w) for w in walk], dtype=torch.long)
+    ends = lengths.cumsum(0).repeat_interleave(lengths)                                      # [M] its prompt's end
+    M, taus, C = best.shape[0], [], 256  # C trees at a time: [C, M] longs, 19 MB for 9,145 positions
+    for lo in range(0, len(trees), C):   # [C, M] accepted tokens a step
+        chunk = trees[lo:lo + C]
         within = torch.tensor([[max(d for d in range(len(p) + 1) if d == 0 or p[:d] in nodes) for p in seen]
                                for nodes, _ in chunk], dtype=torch.long)                       # [C, P]
         chain = torch.tensor([c for _, c in chunk], dtype=torch.long)[:, None]
@@ -235,11 +235,14 @@ def walk_tau(walk: list, trees: list) -> list:
     return taus
 
 
-def step_walk(step: dict, lookup: bool = True) -> list:
+def step_walk(step: dict, n: int = 0) -> Optional[list]:
     """bench.py --acceptance's positions (its step's "walk") as walk_tau takes them: per prompt, per
-    position (the deepest accepted head path, () for none; the lookup's right tokens, 0 without)."""
-    w, paths = step["walk"], [tuple(p) for p in step["paths"]] + [()]  # best -1: ()
-    ks = w.get("lookup") if lookup else None
+    position (the deepest accepted head path, () for none; the right tokens of the n-gram lookup
+    chain of length n, 0 for n = 0). None where nothing was walked, or not with that lookup."""
+    w, paths = step.get("walk"), [tuple(p) for p in step["paths"]] + [()]  # best -1: ()
+    if not w or not sum(w["lengths"]) or (n and str(n) not in w.get("lookup", {})):
+        return None
+    ks = w["lookup"][str(n)] if n else None
     out, at = [], 0
     for length in w["lengths"]:
         out.append([(paths[w["best"][i]], ks[i] if ks else 0) for i in range(at, at + length)])
@@ -255,6 +258,9 @@ def interpolate(costs: dict, n: int) -> float:
     i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= n), len(xs) - 1)))
     x0, x1 = xs[i - 1], xs[i]
     return costs[x0] + (costs[x1] - costs[x0]) * (n - x0) / (x1 - x0)
+
+
+PLAIN = dict(paths=None, nodes=1, depth=0, chain=0, tau=1.0, speedup=1.0)  # choose_tree's plain decoding
 
 
 def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nodes: int = 64,
@@ -283,7 +289,7 @@ def choose_tree(counts: dict, roots: int, t_verify: dict, t_draft: dict, max_nod
     nodes, depth (the head's), chain (the lookup chain's depth), tau, speedup: predicted, against plain
     decoding), plus `candidates`, the best of each size of the head's tree."""
     t_ar = interpolate(t_verify, 1) + overhead[0]
-    best = dict(paths=None, nodes=1, depth=0, chain=0, tau=1.0, speedup=1.0)
+    best = dict(PLAIN)
     joint = lookup and lookup_hits and both is not None
     # a tree of the most frequent paths is best for counts alone (a prefix is as frequent as its
     # extensions), so only those enter the knapsack; joint counts cover the measured tree's paths only

@@ -929,8 +929,44 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch):
     assert len(tree) == 4 and c["speedup"] == pytest.approx(c["tau"] * 2e-3 / 2.6e-3)
     assert c["tau"] == pytest.approx(2.43) and c["overhead"][1] == pytest.approx(2.6e-3 - 2e-3 - 0.4e-3)
     assert next(d for d in c["candidates"] if d["nodes"] == 6)["speedup"] == pytest.approx(2.44 * 2e-3 / 4e-3)
-    tree, c = chosen(lambda tree: 8e-3)  # every near tree's step dearer than plain decoding's pays for
-    assert tree is None and c["paths"] is None
+    before = len(timed)
+    tree, c = chosen(lambda tree: 8e-3)  # the first tree's whole step dearer than its tokens pay for
+    assert tree is None and c["paths"] is None and len([t for t in timed[before:] if t]) == 1  # no near tree timed
+
+
+def test_auto_tree_walks_a_heads_positions_with_its_lookup(tmp_path, monkeypatch):
+    """A head's acceptance measured at every position with the lookup chain (n = 3): `auto` weighs each
+    tree at its tau walked through them. With another n-gram length nothing was walked for it, and the
+    counts are weighed as before."""
+    import json
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, tree=None, **k:
+                        ({N: 2e-3 + 0.05e-3 * N for N in rows}, {d: 0.2e-3 * d for d in depths},
+                         {"ar": 2e-3, "spec": 3e-3} if tree else {}))
+    model = tiny_model()
+    nodes = [[0], [1], [0, 0], [1, 0]]
+    walk = [[((0,), 3), ((), 0), ((0, 0), 0), ((), 4), ((), 3), ((1,), 2), ((), 1), ((), 0)] * 6,
+            [((1, 0), 0), ((), 0), ((0,), 1), ((), 0)] * 5]
+    observed = [w for prompt in walk for w in prompt]
+    step = T.step_counts(observed, nodes, 3)  # (counted at every position: the walk, not these, gives tau)
+    index = {tuple(p): i for i, p in enumerate(step["paths"])}
+    step["walk"] = dict(lengths=[len(w) for w in walk], best=[index[p] if p else -1 for p, _ in observed],
+                        lookup={"3": [k for _, k in observed]})
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    (folder / "acceptance.json").write_text(json.dumps(dict(roots=10, paths=nodes, counts=[5, 3, 2, 1], step=step)))
+    assert T.step_walk(step, 3) == walk and T.step_walk(step, 4) is None
+    assert T.step_walk(step) == [[(p, 0) for p, _ in prompt] for prompt in walk]
+    for n in (3, 4):
+        head = H.WithLookup(randomize(make_head("hydra", TINY), 1), H.NGram(TINY.vocab_size, n))
+        tree = G.resolve_tree(model, head, folder, "auto", "cpu")
+        c = G.resolve_tree.choice
+        assert tree is not None or n == 4  # (n = 4: the chain's hits unknown, its nodes paid for)
+        for cand in c["candidates"]:
+            head_paths, chain = T.split_chain(cand["paths"])
+            walked = T.walk_tau(walk, [({tuple(p) for p in head_paths}, chain)])[0]
+            assert (cand["tau"] == pytest.approx(walked)) == (n == 3), (n, cand, walked)
 
 
 def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, monkeypatch):
@@ -951,9 +987,8 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
     acc = costs.ngram_acceptance(3)
     assert acc["roots"] == roots and [c / roots for c in acc["counts"]] == pytest.approx(hits)
     # measured at every position (bench.py --acceptance since 2026-12-07): each depth's tau walked, not summed
-    tau = [T.walk_tau(acc["walk"], [({(0,) * i for i in range(1, j + 1)}, 0)])[0] if "walk" in acc
-           else 1 + sum(hits[:j]) for j in range(len(hits) + 1)]
-    assert tau == sorted(tau) and ("walk" not in acc or tau[8] < 1 + sum(hits) - 0.1)  # the roots' counts overrate
+    tau = [T.walk_tau(acc["walk"], [({(0,) * i for i in range(1, j + 1)}, 0)])[0] for j in range(len(hits) + 1)]
+    assert tau == sorted(tau) and tau[8] < 1 + sum(hits) - 0.1  # the roots' counts overrate the chain
     chosen = {}
     for per_row in (0.02e-3, 1.5e-3, 5e-3):  # a row nearly free, dear, dearer than the chain's hits pay for
         f = lambda N: 10e-3 + per_row * (N - 1)
@@ -1022,14 +1057,6 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
         counts.append(int(out[1]))
         return out
 
-    def first_decode(head, tree):  # (tokens, steps)
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
-        G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
-        with torch.inference_mode():
-            first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
-            out = G.decode(lambda *s: G.spec_step(model, draft, accept, *s), state, first, 48, tok.eos_id,
-                           span=(G.live_span(model, nodes), len(ids)))
-        return out, G.decode.steps
     with torch.inference_mode():
         first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
         G.decode(step, state, first, 48, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
@@ -1037,11 +1064,26 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
     assert acc["roots"] == len(counts) and sum(hits) > 0
     assert sum(c - 1 for c in counts) == sum(acc["counts"]) - sum(acc["both"]["3"]) + sum(hits)
 
-    # every position a root: walking them gives each subtree's decode, step for step
-    walk = T.step_walk(acc)
-    tokens = sum(map(len, walk))
-    assert tokens == len(first_decode(head, big)[0]) - 1
+    # every position a root: walking them gives each subtree's decode, step for step, prompt by prompt
+    texts = (text, "List the days of the week: Monday, Tuesday, Wednesday,")
+    f.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    walk = T.step_walk(bench.step_acceptance(model, tok, head, big, f, 48, 256), 3)
+
+    def decoded(tree):  # (tokens, steps) over both prompts
+        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+        G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
+        tokens = steps = 0
+        for t in texts:
+            ids = tok.encode(tok.chat([{"role": "user", "content": t}]))
+            with torch.inference_mode():
+                first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+                out = G.decode(lambda *s: G.spec_step(model, draft, accept, *s), state, first, 48, tok.eos_id,
+                               span=(G.live_span(model, nodes), len(ids)))
+            tokens, steps = tokens + len(out) - 1, steps + G.decode.steps
+        return tokens, steps
+    assert len(walk) == 2 and decoded(big)[0] == sum(map(len, walk))
     for sub in (big, [[-1] + [0] * 7, [0]], [[-1, 0, 0], [0], [1], [0, 0]], T.load_tree("chain4")):
-        out, steps = first_decode(head, sub)
-        assert T.walk_tau(walk, [({tuple(p) for p in T.split_chain(sub)[0]},
-                                  T.split_chain(sub)[1] or max(map(len, sub)))]) == [pytest.approx(tokens / steps)]
+        tokens, steps = decoded(sub)
+        head_paths, chain = T.split_chain(sub)
+        assert T.walk_tau(walk, [({tuple(p) for p in head_paths}, chain or max(map(len, sub)))]) == \
+            [pytest.approx(tokens / steps)], sub
