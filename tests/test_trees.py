@@ -352,6 +352,19 @@ def test_choose_tree_is_the_fastest_tree_by_brute_force(ranks, rows, level, look
     assert r["speedup"] == pytest.approx(best)
 
 
+def joint_case(observed, rows, level):
+    """choose_tree's inputs for steps observed with the lookup chain (n = 3) on trees of choices < 3 up
+    to 2 deep, and made-up costs: (nodes, acc, counts, both, hits, t_verify, t_draft)."""
+    nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
+    acc = T.step_counts(observed, nodes, 3)
+    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
+    both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"]["3"])}
+    hits = [c / acc["roots"] for c in acc["lookup"]["counts"]["3"]]
+    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
+    t_draft = {1: level, 2: 2 * level}
+    return nodes, acc, counts, both, hits, t_verify, t_draft
+
+
 @st.composite
 def observed_steps(draw):
     """step_counts' input: per step the accepted head path (choices < 3, at most 2 deep) and how
@@ -366,13 +379,7 @@ def test_choose_tree_with_joint_lookup_counts_is_the_fastest_by_brute_force(obse
     """Measured jointly, a step gets the deeper of the head's accepted path within the tree and the
     lookup chain's right tokens (as deep as the chain, at least the tree's depth): replayed step by
     step, against every tree of choices < 3 up to 2 deep and chain up to 3 deep that fits in 8 rows."""
-    nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
-    acc = T.step_counts(observed, nodes, 3)
-    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
-    both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"]["3"])}
-    hits = [c / acc["roots"] for c in acc["lookup"]["counts"]["3"]]
-    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
-    t_draft = {1: level, 2: 2 * level}
+    nodes, acc, counts, both, hits, t_verify, t_draft = joint_case(observed, rows, level)
 
     def replayed(sub, chain):
         depth = max(map(len, sub))
@@ -426,14 +433,7 @@ def test_walk_tau_is_the_decode_replayed(walk, trees):
 def test_choose_tree_walks_each_candidate(walk, rows, level):
     """With positions measured, each candidate tree and chain is weighed at its tau walked through
     the text (not summed from the big tree's roots), and the fastest of them is chosen."""
-    nodes = [p for d in (1, 2) for p in itertools.product(range(3), repeat=d)]
-    observed = [w for prompt in walk for w in prompt]
-    acc = T.step_counts(observed, nodes, 3)
-    counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
-    both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"]["3"])}
-    hits = [c / acc["roots"] for c in acc["lookup"]["counts"]["3"]]
-    t_verify = {1: 1.0, 4: 1.0 + rows[0], 8: 1.0 + rows[0] + rows[1], 16: 1.0 + sum(rows)}
-    t_draft = {1: level, 2: 2 * level}
+    nodes, acc, counts, both, hits, t_verify, t_draft = joint_case([w for prompt in walk for w in prompt], rows, level)
     r = T.choose_tree(counts, acc["roots"], t_verify, t_draft, max_nodes=8, lookup=True, lookup_hits=hits,
                       both=both, walk=walk)
     for c in r["candidates"]:
