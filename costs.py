@@ -23,20 +23,21 @@ from trees import PLAIN, choose_tree, interpolate, split_chain, step_walk
 # rows are one compiled graph with the rows symbolic, so sizes cost only their run time, and no size is
 # read between timed ones where a CPU's curve bends), then a line to 64; bench.py --rows prints the powers of two
 ROWS, DEPTHS = (*range(1, 33), 48, 64), (1, 4)
-NEAR, NEAR_TREES = 0.03, 3  # trees predicted this close to the best are timed whole, at most this many
+# trees predicted this close to the best are timed whole, at most this many, in this many turns
+NEAR, NEAR_TREES, NEAR_REPS = 0.03, 3, 60
 ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
           "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
 
 
-def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, tree=None):
+def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, trees=()):
     """What a speculative step is made of, on this machine: seconds of a base forward over N tree
     rows (a chain: row i sees the prefix and rows 0..i) after a `prefix`-token context, and (head
     given) of the head's draft of a one-node-a-level chain of each depth (its levels one after
-    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). tree (static
-    index paths, head given): also the whole decode steps as the loop calls them, plain (ar_step)
-    and speculative with that tree (spec_step), host sync included. Medians of `reps` calls taken
-    in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s}, {"ar": s, "spec": s}
-    or {})."""
+    another), each wrapped by `compiled` (compile_step, or `lambda f: f` for eager). trees (static
+    trees as index paths, head given): also the whole decode steps as the loop calls them, plain
+    (ar_step) and speculative with each tree (spec_step), host sync included. Medians of `reps` calls
+    taken in turns, so that drifts hit every shape alike. Returns ({N: s}, {depth: s},
+    {"ar": s, "spec": [s for each tree]} or {})."""
     dev = model.output.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     depths = list(depths) if head is not None else []
@@ -45,14 +46,15 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     rows = [N for N in rows if prefix + N + 2 * max_depth + 2 <= model.args.max_seq_len]
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
-    spec = tree is not None and G.speculator(model, head, tree)  # (draft, accept, depth, nodes, head scratch)
+    specs = [G.speculator(model, head, t) for t in trees]  # each (draft, accept, depth, nodes, head scratch)
     # the caches' lengths are static in a compiled graph: sized alike for every call (the verify table's, the
     # draft levels', the whole steps'), the one-row forward that each of them times is one graph, compiled
     # once in a process (a 2-core Zen 3: 70 s a compile, three of them in auto's first use); the whole
-    # steps' head scratch is generation's, so that generation's steps are these graphs (G.SLOTS)
-    max_depth = max(max_depth, *DEPTHS, spec[2] if spec else 0)
-    max_rows = max(max_rows, *ROWS, spec[3] if spec else 1)
-    scratch = max(max_rows + 2 * max_depth + 2 if depths else 0, spec[4] if spec else 0)
+    # steps' head scratch is generation's, so that generation's steps are these graphs (G.SLOTS; a few trees
+    # timed together share the head cache's length as setup_caches rounds it)
+    max_depth = max(max_depth, *DEPTHS, *(s[2] for s in specs))
+    max_rows = max(max_rows, *ROWS, *(s[3] for s in specs))
+    scratch = max([max_rows + 2 * max_depth + 2 if depths else 0] + [s[4] for s in specs])
     G.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len), scratch)
     P = torch.tensor(prefix, device=dev)
 
@@ -84,16 +86,17 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                 plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
                 _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
                 calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
-        if spec:
-            draft_fn, accept, d, nodes, _ = spec
+        if specs:
             ar = compiled(lambda token, pos, span: G.ar_step(model, token, pos, span=span))  # (generation's names: one graph)
-            sp = compiled(lambda h, t, n, P, span: G.spec_step(model, draft_fn, accept, h, t, n, P, span))
-            _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
             span = G.live_span(model, 1) or (lambda P: None)
-            tree_span = G.live_span(model, nodes) or (lambda P: None)
             host = lambda out: torch.cat([out[1].view(1), out[0]]).tolist()  # the loop's one host sync
             calls[("step", "ar")] = lambda: host(ar(ctx[-1], P, span(prefix)))
-            calls[("step", "spec")] = lambda: host(sp(*state, tree_span(prefix)))
+        for i, (draft_fn, accept, d, nodes, _) in enumerate(specs):
+            sp = compiled(lambda h, t, n, P, span, draft_fn=draft_fn, accept=accept:
+                          G.spec_step(model, draft_fn, accept, h, t, n, P, span))
+            _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
+            tree_span = G.live_span(model, nodes) or (lambda P: None)
+            calls[("step", i)] = lambda sp=sp, state=state, tree_span=tree_span: host(sp(*state, tree_span(prefix)))
         for fn in tqdm(calls.values(), desc="timing the step's parts (once per machine and model)", unit="shape",
                        file=sys.stderr):
             fn(), fn()  # compile (and autotune) outside the timing
@@ -108,7 +111,7 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     med = {k: statistics.median(v) for k, v in times.items()}
     return ({N: med[("verify", N)] for N in rows},
             {d: med[("draft", d)] for d in depths if ("draft", d) in med},
-            {k: med[("step", k)] for k in ("ar", "spec") if ("step", k) in med})
+            {"ar": med[("step", "ar")], "spec": [med[("step", i)] for i in range(len(specs))]} if specs else {})
 
 
 def cache_file(key: dict, folder: Path, kind: str) -> Path:
@@ -181,28 +184,31 @@ def measured_costs(model, head, heads_dir, device: str, compile_mode=None, check
     return t_verify, t_draft
 
 
-def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, t_draft, paths) -> tuple:
-    """(o_ar, o_spec): seconds that a whole decode step, plain and with the tree `paths`, costs beyond
-    what the tables give for its forwards (t_verify's rows, t_draft's levels): the loop's host sync,
-    sampling or acceptance, compaction, the one-row step's own attention path, and what the tables
-    miss, such as a draft whose weights the base's forward has just pushed out of the caches. Both
-    steps are timed beside one row, to carry them into the tables' units; the tables' own parts are
-    subtracted, so that the chosen tree is predicted at its measured step. (Xeon 167, subtracting the
-    step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run beside whole
-    steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on Spec-Bench.)
-    Timed once per tree (cached)."""
+def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint, t_verify, t_draft, trees,
+                  reps=20) -> tuple:
+    """(o_ar, [o_spec for each tree]): seconds that a whole decode step, plain and with each of the
+    static trees, costs beyond what the tables give for its forwards (t_verify's rows, t_draft's
+    levels): the loop's host sync, sampling or acceptance, compaction, the one-row step's own attention
+    path, and what the tables miss, such as a draft whose weights the base's forward has just pushed out
+    of the caches. The steps are timed in turns beside one row, to carry them into the tables' units;
+    the tables' own parts are subtracted, so that a tree is predicted at its measured step. (Xeon 167,
+    subtracting the step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run
+    beside whole steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on
+    Spec-Bench.) Timed once per set of trees (cached)."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
-    depth = max(len(p) for p in split_chain(paths)[0])  # the head's draft levels (a lookup chain drafts none)
-    nodes = static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
 
     def measure(_):
-        verify, _, step = step_costs(model, head, compiled, rows=(1,), depths=(), tree=paths)
+        verify, _, step = step_costs(model, head, compiled, rows=(1,), depths=(), reps=reps, trees=trees)
         scale = t_verify[1] / verify[1]
-        return {0: step["ar"] * scale - interpolate(t_verify, 1),
-                1: step["spec"] * scale - interpolate(t_draft, depth) - interpolate(t_verify, nodes)}
-    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "tree": paths}
-    o = cached_costs(key, (0, 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, 1: the tree's
-    return o[0], o[1]
+        o = {0: step["ar"] * scale - interpolate(t_verify, 1)}
+        for i, (paths, t) in enumerate(zip(trees, step["spec"])):
+            depth = max(len(p) for p in split_chain(paths)[0])  # the head's draft levels (a lookup chain drafts none)
+            nodes = static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
+            o[i + 1] = t * scale - interpolate(t_draft, depth) - interpolate(t_verify, nodes)
+        return o
+    key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "trees": trees}
+    o = cached_costs(key, range(len(trees) + 1), measure, ckpt.CACHE_DIR)  # 0: plain decoding's, i: tree i-1's
+    return o[0], [o[i + 1] for i in range(len(trees))]
 
 
 def ngram_acceptance(n: int, checkpoint=None):
@@ -268,22 +274,24 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     if choice["paths"] is not None:
         # the chosen tree's whole step, against plain decoding's, for what the forwards leave out; every
         # tree is then weighed with that fixed cost (close for trees of similar size)
-        overhead = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
-                                 choice["paths"])
-        choice = {**choose(overhead), "overhead": list(overhead)}
+        o_ar, (o_spec,) = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
+                                        [choice["paths"]])
+        choice = {**choose((o_ar, o_spec)), "overhead": [o_ar, o_spec]}
     # predictions within a few percent are a tie that one cost table cannot break (Xeon 207: 10 and 16
-    # nodes predicted 0.7% apart, 1.81x and 1.85x on Spec-Bench): each of them is weighed at its own
-    # whole step, timed beside plain decoding's (a compile each); the best of each size, since what the
-    # tables can miss is what the rows cost
+    # nodes predicted 0.7% apart, 1.81x and 1.85x on Spec-Bench): they are weighed at their own whole
+    # steps, the best of each size (what the tables can miss is what the rows cost), timed in turns in one
+    # run (a compile each): timed one run a tree, their overheads moved by 0.2-1.1 ms from run to run,
+    # more than the few percent between them (Xeon 207, three draws: 10, 12 and 15 nodes chosen)
     near = {}
     for c in sorted(choice["candidates"], key=lambda c: -c["speedup"]) if choice["paths"] is not None else ():
         if c["speedup"] >= (1 - NEAR) * choice["speedup"] and len(near) < NEAR_TREES:
             near.setdefault(c["nodes"], c)
     if len(near) > 1:
-        for c in near.values():  # (the tree first chosen was timed already: cached)
-            o = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft, c["paths"])
-            c.update(overhead=list(o), speedup=c["tau"] * (interpolate(t_verify, 1) + o[0]) / (
-                interpolate(t_draft, c["depth"]) + interpolate(t_verify, c["nodes"]) + o[1]))
+        o_ar, o_spec = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
+                                     [c["paths"] for c in near.values()], reps=NEAR_REPS)
+        for c, o in zip(near.values(), o_spec):
+            c.update(overhead=[o_ar, o], speedup=c["tau"] * (interpolate(t_verify, 1) + o_ar) / (
+                interpolate(t_draft, c["depth"]) + interpolate(t_verify, c["nodes"]) + o))
         top = max(near.values(), key=lambda c: c["speedup"])
         choice = {**choice, **(top if top["speedup"] > 1.0 else PLAIN), "timed": list(near)}
     kept.parent.mkdir(parents=True, exist_ok=True)

@@ -206,8 +206,8 @@ def setup_caches(model, head, max_seq_len: int, head_scratch: int = 0):
     if model.output.weight.device.type == "cpu":
         max_seq_len = max(max_seq_len, min(SLOTS, model.args.max_seq_len))
     model.setup_caches(1, max_seq_len)
-    if head is not None:
-        head.setup_caches(max_seq_len + head_scratch)
+    if head is not None:  # rounded up: trees of near sizes share one shape, and so the graphs that auto timed
+        head.setup_caches(-(-(max_seq_len + head_scratch) // 64) * 64)  # (a step attends only its live span)
 
 
 def start(model, head, prompt, depth: int, sampling: dict):
