@@ -190,7 +190,9 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
     static trees, costs beyond what the tables give for its forwards (t_verify's rows, t_draft's
     levels): the loop's host sync, sampling or acceptance, compaction, the one-row step's own attention
     path, and what the tables miss, such as a draft whose weights the base's forward has just pushed out
-    of the caches. The steps are timed in turns beside one row, to carry them into the tables' units;
+    of the caches, or a host whose speed has moved since the tables (Xeon 207: acceptance and compaction
+    0.1-0.2 ms of a 10-node tree's 0.8-1.0; its 10 rows 1.16x one row in the step's run, 1.03x in the
+    table). The steps are timed in turns beside one row, to carry them into the tables' units;
     the tables' own parts are subtracted, so that a tree is predicted at its measured step. (Xeon 167,
     subtracting the step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run
     beside whole steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on
