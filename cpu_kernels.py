@@ -39,12 +39,14 @@ written in cpu_kernels.cpp or cpu_kernels_avx2.cpp (cpu_kernels.h: what the two 
 with the C++ compiler that inductor needs anyway, once per machine (torch caches the build in
 ~/.cache/torch_extensions); where that fails the step keeps torch's kernels."""
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoint import CACHE_DIR
 from model import Attention, FeedForward, KVCache, tree_attention
 
 
@@ -72,6 +74,7 @@ def wanted_tiles(device, dtype) -> bool:
 
 
 _built = None  # the ops that build() loaded (empty where it failed); None before it ran
+BUILD_DIR = CACHE_DIR / "kernels"  # (fixed at import: a test's own cache folder would build them again)
 
 
 def has(op: str) -> bool:
@@ -101,9 +104,12 @@ def build() -> bool:
             "rows_attention": lambda qkv, freqs, pos, k_cache, v_cache, mask, n_head:
                 qkv.new_empty(*qkv.shape[:2], 64 * n_head),
         }
+        folder = BUILD_DIR / name
+        folder.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(folder)
         try:
             load("treespec_" + name, [str(Path(__file__).with_name(name + ".cpp"))], is_python_module=False,
-                 extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+                 extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(folder))
             _built = {op for op in fakes if hasattr(torch.ops.treespec, op)}
             for op in _built:
                 torch.library.register_fake("treespec::" + op)(fakes[op])
@@ -112,6 +118,22 @@ def build() -> bool:
                   "tree steps use torch's kernels", file=sys.stderr)
             _built = set()
     return bool(_built)
+
+
+def clear_stale_lock(folder: Path, older_than: float = 600.0) -> bool:
+    """torch's extension build takes a lock file in its folder and waits, silently and for ever, while
+    one is there; a build killed midway (Ctrl-C during the first run) leaves its lock behind, and every
+    later run hung. A build here takes 1-2 minutes, so a lock older than older_than seconds is such a
+    one: removed, with a note. Returns whether it removed one."""
+    lock = Path(folder) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime < older_than:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    print(f"note: removed {lock}, left by a kernel build that was stopped midway", file=sys.stderr)
+    return True
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

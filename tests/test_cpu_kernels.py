@@ -446,3 +446,19 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         assert ("rows_glu" in code) == ck.wanted_avx2("cpu", torch.bfloat16)
     assert ck.has("argmax") == ("treespec::argmax" in code) and torch.equal(top, y[0].argmax(-1))
     torch.testing.assert_close(y.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())
+
+
+def test_build_clears_a_lock_left_by_a_stopped_build(tmp_path):
+    """torch's build waits, silently and for ever, on a lock file in its folder; a first run stopped
+    midway left one and every later run hung. build() clears a lock older than any build (10 minutes),
+    never a fresh one: another process's build under way."""
+    import os
+    import time
+    lock = tmp_path / "lock"
+    assert not ck.clear_stale_lock(tmp_path)                      # none there
+    lock.touch()
+    assert not ck.clear_stale_lock(tmp_path) and lock.exists()    # a build under way
+    os.utime(lock, (time.time() - 3600,) * 2)
+    assert ck.clear_stale_lock(tmp_path) and not lock.exists()
+    if ck.build():  # the kernels are built in the folder whose lock it clears
+        assert list(ck.BUILD_DIR.glob("*/*.so"))
