@@ -49,7 +49,7 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     specs = [G.speculator(model, head, t) for t in trees]  # each (draft, accept, depth, nodes, head scratch)
     # the caches' lengths are static in a compiled graph: sized alike for every call (the verify table's, the
     # draft levels', the whole steps'), the one-row forward that each of them times is one graph, compiled
-    # once in a process (a 2-core Zen 3: 70 s a compile, three of them in auto's first use); the whole
+    # once in a process (a 2-core Zen 3: 70 s a compile, one for each of auto's first timings); the whole
     # steps' head scratch is generation's, so that generation's steps are these graphs (G.SLOTS; a few trees
     # timed together share the head cache's length as setup_caches rounds it)
     max_depth = max(max_depth, *DEPTHS, *(s[2] for s in specs))

@@ -164,7 +164,8 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
         print(f"--tree auto: {folder} has no acceptance.json (train.py writes it), so tree16", file=sys.stderr)
         return "tree16"
     if choice["paths"] is None:
-        best = max(choice["candidates"], key=lambda c: c["speedup"], default=None)
+        timed = [c for c in choice["candidates"] if "overhead" in c]  # (near trees timed whole: at their steps)
+        best = max(timed or choice["candidates"], key=lambda c: c["speedup"], default=None)
         near = f" (the best tree, {best['nodes']} nodes, {best['speedup']:.2f}x)" if best else ""
         print(f"--tree auto: plain autoregressive decoding is predicted fastest here{near}", file=sys.stderr)
         return None
@@ -207,7 +208,7 @@ def setup_caches(model, head, max_seq_len: int, head_scratch: int = 0):
         max_seq_len = max(max_seq_len, min(SLOTS, model.args.max_seq_len))
     model.setup_caches(1, max_seq_len)
     if head is not None:  # rounded up: trees of near sizes share one shape, and so the graphs that auto timed
-        head.setup_caches(-(-(max_seq_len + head_scratch) // 64) * 64)  # (a step attends only its live span)
+        head.setup_caches(-(-(max_seq_len + head_scratch) // 64) * 64)  # (on a CPU a step attends its live span)
 
 
 def start(model, head, prompt, depth: int, sampling: dict):

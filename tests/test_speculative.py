@@ -903,7 +903,7 @@ def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
     assert grid["nodes"] != c["nodes"]
 
 
-def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch):
+def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch, capsys):
     """Trees predicted within costs.NEAR of the best are a tie the tables cannot break: each is timed
     as a whole step beside plain decoding's, and the fastest so is chosen; a tree whose step costs
     more than its forwards promise loses to its neighbour."""
@@ -917,10 +917,14 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch):
                                                             counts=[80, 60, 2, 1, 1])))
     timed = []
 
-    def chosen(whole):  # whole: the tree step's seconds, by the tree
-        monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, trees=(), **k:
-                            timed.append(trees) or ({N: 2e-3 for N in rows}, {d: 0.2e-3 * d for d in depths},
-                                                    {"ar": 2e-3, "spec": [whole(t) for t in trees]} if trees else {}))
+    def chosen(whole, near=None):  # whole: the tree step's seconds, by the tree; near: in the near trees' run
+        def step_costs(m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, trees=(), reps=20, **k):
+            timed.append(trees)
+            f = near if near and len(trees) > 1 else whole
+            assert reps == (costs.NEAR_REPS if len(trees) > 1 else 20)  # the near trees: more turns
+            return ({N: 2e-3 for N in rows}, {d: 0.2e-3 * d for d in depths},
+                    {"ar": 2e-3, "spec": [f(t) for t in trees]} if trees else {})
+        monkeypatch.setattr(costs, "step_costs", step_costs)
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{len(timed)}")
         return G.resolve_tree(model, head, folder, "auto", "cpu"), G.resolve_tree.choice
 
@@ -935,6 +939,12 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch):
     before = len(timed)
     tree, c = chosen(lambda tree: 8e-3)  # the first tree's whole step dearer than its tokens pay for
     assert tree is None and c["paths"] is None and [len(t) for t in timed[before:] if t] == [1]  # no near tree timed
+    # the near trees' run finds every one of them dear: plain decoding, and the message names a tree
+    # at its timed step (2.44 * 2 / 8 = 0.61x), not at the first run's
+    tree, c = chosen(lambda tree: 2.6e-3, near=lambda tree: 8e-3)
+    assert tree is None and c["paths"] is None and c["timed"] == [6, 5, 4]
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert "plain autoregressive decoding" in said and "0.61x" in said, said
 
 
 def test_auto_tree_walks_a_heads_positions_with_its_lookup(tmp_path, monkeypatch):
