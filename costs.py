@@ -25,6 +25,7 @@ from trees import PLAIN, choose_tree, interpolate, split_chain, step_walk
 ROWS, DEPTHS = (*range(1, 33), 48, 64), (1, 4)
 # trees predicted this close to the best are timed whole, at most this many, in this many turns
 NEAR, NEAR_TREES, NEAR_REPS = 0.03, 3, 60
+TIE = 0.02  # timed whole, trees this close to the fastest are a tie, which goes to the fewest nodes
 ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
           "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
 
@@ -295,6 +296,11 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
             c.update(overhead=[o_ar, o], speedup=c["tau"] * (interpolate(t_verify, 1) + o_ar) / (
                 interpolate(t_draft, c["depth"]) + interpolate(t_verify, c["nodes"]) + o))
         top = max(near.values(), key=lambda c: c["speedup"])
+        # a tie goes to the smaller tree: where Spec-Bench measured both, the larger's extra rows cost more and
+        # its extra tau bought less than the calibration and the 512-token timing said (Xeon 207, 2026-12-07:
+        # Hydra 14 nodes timed 0.3% ahead of 10, measured 1.94x against 2.04x; EAGLE's 10 nodes ahead of 15
+        # by 4-7% where timed 0.1-1.7% ahead; Zen 3: 5 nodes 10% ahead of 6; Medusa's 15 nodes 2% ahead of 10)
+        top = min((c for c in near.values() if c["speedup"] >= (1 - TIE) * top["speedup"]), key=lambda c: c["nodes"])
         choice = {**choice, **(top if top["speedup"] > 1.0 else PLAIN), "timed": list(near)}
     kept.parent.mkdir(parents=True, exist_ok=True)
     tmp = kept.with_suffix(f".{os.getpid()}.tmp")

@@ -906,7 +906,8 @@ def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
 def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch, capsys):
     """Trees predicted within costs.NEAR of the best are a tie the tables cannot break: each is timed
     as a whole step beside plain decoding's, and the fastest so is chosen; a tree whose step costs
-    more than its forwards promise loses to its neighbour."""
+    more than its forwards promise loses to its neighbour. Timed within costs.TIE of the fastest, the
+    tree with the fewest nodes wins."""
     import json
     import checkpoint
     model, head = tiny_model(), randomize(make_head("hydra", TINY), 1)
@@ -928,13 +929,17 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{len(timed)}")
         return G.resolve_tree(model, head, folder, "auto", "cpu"), G.resolve_tree.choice
 
-    tree, c = chosen(lambda tree: 2.6e-3)
-    assert len(tree) == 5 and c["timed"] == [6, 5, 4]
+    tree, c = chosen(lambda tree: 2.6e-3)  # the same whole steps: 1% apart by tau, a tie, to the fewest nodes
+    assert len(tree) == 3 and c["tau"] == pytest.approx(2.42) and c["timed"] == [6, 5, 4]
     # the first choice alone, then the near ones (it among them) in turns in one run
     assert [[len(t) for t in trees] for trees in timed if trees] == [[5], [5, 4, 3]]
-    tree, c = chosen(lambda tree: 4e-3 if len(tree) == 5 else 2.6e-3)
-    assert len(tree) == 4 and c["speedup"] == pytest.approx(c["tau"] * 2e-3 / 2.6e-3)
-    assert c["tau"] == pytest.approx(2.43) and c["overhead"][1] == pytest.approx(2.6e-3 - 2e-3 - 0.4e-3)
+    tree, c = chosen(lambda tree: 2.6e-3 if len(tree) == 5 else 2.8e-3)  # the largest 7% ahead: no tie
+    assert len(tree) == 5 and c["speedup"] == pytest.approx(c["tau"] * 2e-3 / 2.6e-3)
+    assert c["tau"] == pytest.approx(2.44) and c["overhead"][1] == pytest.approx(2.6e-3 - 2e-3 - 0.4e-3)
+    assert next(d for d in c["candidates"] if d["nodes"] == 4 and "overhead" in d)["speedup"] == pytest.approx(
+        2.42 * 2e-3 / 2.8e-3)  # (timed: it holds its step's overhead)
+    tree, c = chosen(lambda tree: 4e-3 if len(tree) == 5 else 2.6e-3)  # the largest dear: the others tie
+    assert len(tree) == 3 and c["speedup"] == pytest.approx(2.42 * 2e-3 / 2.6e-3)
     assert next(d for d in c["candidates"] if d["nodes"] == 6)["speedup"] == pytest.approx(2.44 * 2e-3 / 4e-3)
     before = len(timed)
     tree, c = chosen(lambda tree: 8e-3)  # the first tree's whole step dearer than its tokens pay for
