@@ -300,8 +300,8 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         # its extra tau bought less than the calibration and the 512-token timing said (Xeon 207, 2026-12-07:
         # Hydra 14 nodes timed 0.3% ahead of 10, measured 1.94x against 2.04x; EAGLE's 10 nodes ahead of 15
         # by 4-7% where timed 0.1-1.7% ahead; Zen 3: 5 nodes 10% ahead of 6; Medusa's 15 nodes 2% ahead of 10)
-        top = min((c for c in near.values() if c["speedup"] >= (1 - TIE) * top["speedup"]), key=lambda c: c["nodes"])
-        choice = {**choice, **(top if top["speedup"] > 1.0 else PLAIN), "timed": list(near)}
+        tie = [c for c in near.values() if c["speedup"] >= (1 - TIE) * top["speedup"] and c["speedup"] > 1.0]
+        choice = {**choice, **(min(tie, key=lambda c: c["nodes"]) if tie else PLAIN), "timed": list(near)}
     kept.parent.mkdir(parents=True, exist_ok=True)
     tmp = kept.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(choice))

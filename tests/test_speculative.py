@@ -938,6 +938,10 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch, capsys):
     assert c["tau"] == pytest.approx(2.44) and c["overhead"][1] == pytest.approx(2.6e-3 - 2e-3 - 0.4e-3)
     assert next(d for d in c["candidates"] if d["nodes"] == 4 and "overhead" in d)["speedup"] == pytest.approx(
         2.42 * 2e-3 / 2.8e-3)  # (timed: it holds its step's overhead)
+    # a tie never takes a tree that plain decoding beats: the largest at 1.01x, the others at 0.995x
+    tree, c = chosen(lambda tree: 2.6e-3, near=lambda tree: {5: 2.44, 4: 2.43, 3: 2.42}[len(tree)] * 2e-3 / (
+        1.01 if len(tree) == 5 else 0.995))
+    assert len(tree) == 5 and c["speedup"] == pytest.approx(1.01)
     tree, c = chosen(lambda tree: 4e-3 if len(tree) == 5 else 2.6e-3)  # the largest dear: the others tie
     assert len(tree) == 3 and c["speedup"] == pytest.approx(2.42 * 2e-3 / 2.6e-3)
     assert next(d for d in c["candidates"] if d["nodes"] == 6)["speedup"] == pytest.approx(2.44 * 2e-3 / 4e-3)
