@@ -37,7 +37,7 @@ Each output element sums in the same order whatever the number of rows, so a row
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are,
 written in cpu_kernels.cpp or cpu_kernels_avx2.cpp (cpu_kernels.h: what the two share) and built
 with the C++ compiler that inductor needs anyway, once per machine (torch caches the build in
-~/.cache/torch_extensions); where that fails the step keeps torch's kernels."""
+the project's cache folder, kernels/, BUILD_DIR); where that fails the step keeps torch's kernels."""
 import sys
 import time
 from pathlib import Path

@@ -170,7 +170,7 @@ def resolve_tree(model, head, heads_dir, tree, device: str, compile_mode=None, c
         print(f"--tree auto: plain autoregressive decoding is predicted fastest here{near}", file=sys.stderr)
         return None
     chain = f", a lookup chain {choice['chain']} deep" if choice.get("chain") else ""
-    near = f" (the fastest whole step of {len(choice['timed'])} near-equal trees)" if choice.get("timed") else ""
+    near = f" (of {len(choice['timed'])} near-equal trees timed whole)" if choice.get("timed") else ""
     print(f"--tree auto: {sum(p[0] >= 0 for p in choice['paths'])} paths, {choice['nodes']} verified nodes, "
           f"{choice['depth']} deep{chain}; "
           f"expected tau {choice['tau']:.2f}, predicted {choice['speedup']:.2f}x over autoregressive decoding{near}",
