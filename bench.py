@@ -1,23 +1,23 @@
-"""Side-by-side decode speed on one prompt, in one run: eager vs compiled decoding of our engine,
-transformers' `generate` on the same weights, and (with --heads) tree speculative decoding.
-Reports decode tokens/s (prefill excluded: time for N tokens minus time for 1) as the median of
---runs runs, and every figure as a ratio to our eager decoding.
+"""The benchmarks, one mode a subcommand, each timing side by side in one run (in turns, round after
+round, so that a drift of this shared machine's speed hits every engine alike), decode tokens/s with the
+prefill excluded (the time for N tokens minus the time for 1):
 
-    python bench.py --dtype bfloat16                          # base engine vs transformers
-    python bench.py --dtype bfloat16 --heads DIR --tree tree16 --skip_hf [--profile prof.txt]   # + where the time goes
-    python bench.py --heads DIR --dynamic_tree 10,6,60 --spec_bench 5 --max_new_tokens 256 --compile   # tau
-    python bench.py --device cuda --heads DIR --tree mc_sim_7b_63 --spec_bench 5 --max_new_tokens 256 --speed
-    python bench.py --rows --heads DIR                        # the cost of N tree rows and of each draft level
+    python bench.py speed --dtype bfloat16                    # the story prompt: eager, compiled, transformers
+    python bench.py speed --heads DIR --tree auto tree16 --skip_hf [--profile prof.txt]   # + trees, where the time goes
+    python bench.py spec_bench 5 --heads DIR --dynamic_tree 10,6,60 --max_new_tokens 256 --compile   # tau
+    python bench.py spec_bench 2 --heads DIR --lookup 3 --tree auto --max_new_tokens 256 --speed   # + AR, outputs compared
+    python bench.py rows --heads DIR                         # the cost of N tree rows and of each draft level
+    python bench.py acceptance data/calibrate.jsonl --heads DIR --lookup 3   # what --tree auto weighs
+    python bench.py quality ckpt/smollm2-int8 --dtype float32   # quantized checkpoints against the float model
+    python bench.py quantized ckpt/smollm2-int8 --heads DIR --lookup 3 --tree auto [--llama_cpp]
 
---spec_bench N measures tau on the first N questions of each Spec-Bench category; with --speed it also
-decodes each question autoregressively (compiled; CUDA graphs on a GPU) and reports both speeds and
-whether the outputs are the same; with --ties also how close to a tie (in an fp32 forward) the two
-tokens were where the outputs first differ. Several --tree names (speed run) time each tree against
-the same autoregressive engine (with --spec_bench, each question's one AR decode). --json FILE writes the results with the date, the machine and the
-command; `python plots.py FILE...` draws them into docs/img/.
+spec_bench N decodes the first N questions of each Spec-Bench category (evaluation only); several --tree
+names time each tree against the same autoregressive decode. --json FILE writes the results with the
+date, the machine and the command; `python plots.py FILE...` draws them into docs/img/.
 """
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import statistics
@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 import costs
 import generate as G
-from checkpoint import default_checkpoint, load_model
-from distill import read_prompts
-from heads import WithLookup, load_heads, static_plan
+import speculate as S
+from checkpoint import default_checkpoint, quantization
+from distill import read_data, read_prompts
+from heads import static_plan
 from trees import best_paths, load_tree, split_chain, step_counts
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "shared" / "data" / "spec_bench.jsonl"  # evaluation only
@@ -41,7 +42,7 @@ PROMPT = "Write a short story about a robot who learns to paint. Make it about t
 
 def write_json(path, kind: str, args, **results):
     """bench.py's results for plots.py: what was run, where, when, and the numbers."""
-    record = dict(kind=kind, date=datetime.date.today().isoformat(), machine=G.machine(args.device),
+    record = dict(kind=kind, date=datetime.date.today().isoformat(), machine=costs.machine(args.device),
                   threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype,
                   max_new_tokens=args.max_new_tokens, heads=args.heads, lookup=args.lookup,
                   checkpoint=getattr(args, "checkpoint", None),
@@ -60,12 +61,13 @@ def ours(model, head, step, prompt, depth, n, rows=1):
     """One measurement: (decode tokens/s, tau). Decode time = time for n tokens minus time for 1.
     rows: the cache slots a step writes (the tree's nodes), for the live span it attends."""
     def run(k):
-        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-        run.out = G.decode(step, state, first, k, eos_id=None, span=(G.live_span(model, rows), len(prompt)))
-        run.steps = G.decode.steps
+        first, state = S.start(model, head, prompt, depth, dict(temperature=0.0))
+        return S.decode(step, state, first, k, eos_id=None, span=(S.live_span(model, rows), len(prompt)))
     with torch.inference_mode():
-        t_n = once(lambda: run(n))
-        tau = (len(run.out) - 1) / max(run.steps, 1)
+        t0 = time.perf_counter()
+        out, steps = run(n)
+        t_n = time.perf_counter() - t0
+        tau = (len(out) - 1) / max(steps, 1)
         t_1 = once(lambda: run(1))
     return (n - 1) / (t_n - t_1), tau
 
@@ -150,13 +152,13 @@ def spec_bench(model, tok, head, specs, ar, questions, per_category, n, max_prom
 
     def decode(step, h, ids, d, rows):
         with torch.inference_mode():
-            first, state = G.start(model, h, torch.tensor(ids, device=dev), d, dict(temperature=0.0))
-            span = G.live_span(model, rows)
+            first, state = S.start(model, h, torch.tensor(ids, device=dev), d, dict(temperature=0.0))
+            span = S.live_span(model, rows)
             sync()
             t0 = time.perf_counter()
-            out = G.decode(step, state, first, n, tok.eos_id, span=(span, len(ids)))
+            out, steps = S.decode(step, state, first, n, tok.eos_id, span=(span, len(ids)))
             sync()
-            return out, G.decode.steps, time.perf_counter() - t0
+            return out, steps, time.perf_counter() - t0
 
     if speed:  # compile and record (CUDA graphs) outside the timed runs
         t0 = time.perf_counter()
@@ -202,9 +204,9 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
     choose_tree takes) and `walk`: the positions of each prompt (lengths), at each the index in its
     paths of the deepest accepted head path (best; -1: none) and the lookup's right tokens (lookup:
     {n: [...]}; trees.step_walk reads them)."""
-    lookup = isinstance(head, WithLookup)
+    lookup = head.lookup
     plan = static_plan(paths, lookup)                             # the speculator's node order
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
+    draft, accept, depth, nodes, scratch = S.speculator(model, head, paths)
     parents, heads_own = plan.tree.parents.tolist(), {tuple(p) for p in paths}
     observed, lengths = [], []
 
@@ -223,14 +225,14 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
 
     texts = [ids for ids in (tok.encode(tok.chat([{"role": "user", "content": t}])) for t in read_prompts(prompts))
              if len(ids) <= max_prompt]
-    G.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
-    step = lambda h, t, k, P, span=None: G.spec_step(model, draft, noting, h, t, k, P, span)
+    S.setup_caches(model, head, G.cache_size(max_prompt, n, nodes, model.args.max_seq_len), scratch)
+    step = lambda h, t, k, P, span=None: S.spec_step(model, draft, noting, h, t, k, P, span)
     dev = model.output.weight.device
     with torch.inference_mode():
         for ids in tqdm(texts, desc="a big tree at every position", unit="prompt", file=sys.stderr):
-            first, state = G.start(model, head, torch.tensor(ids, device=dev), depth, dict(temperature=0.0))
+            first, state = S.start(model, head, torch.tensor(ids, device=dev), depth, dict(temperature=0.0))
             before = len(observed)
-            G.decode(step, state, first, n, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
+            S.decode(step, state, first, n, tok.eos_id, span=(S.live_span(model, nodes), len(ids)))
             lengths.append(len(observed) - before)
     roots, at = [], 0  # the big tree's own decode: a step takes the deeper of the two, then the token after
     for length in lengths:
@@ -239,205 +241,270 @@ def step_acceptance(model, tok, head, paths, prompts, n, max_prompt):
             roots.append(observed[i])
             i += 1 + max(len(observed[i][0]), observed[i][1])
         at = end
-    counts = step_counts(roots, split_chain(paths)[0], head.ngram.n if lookup else 0)
+    counts = step_counts(roots, split_chain(paths)[0], lookup)
     index = {tuple(p): i for i, p in enumerate(counts["paths"])}
     walk = dict(lengths=lengths, best=[index[p] if p else -1 for p, _ in observed])
     if lookup:
-        walk["lookup"] = {str(head.ngram.n): [k for _, k in observed]}
+        walk["lookup"] = {str(lookup): [k for _, k in observed]}
     return dict(prompts=len(texts), **counts, walk=walk)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (compiled steps then run as CUDA graphs)")
-    p.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--compile_mode", default=None,
-                   help="default: max-autotune-no-cudagraphs on CPU, reduce-overhead (CUDA graphs) on CUDA")
-    p.add_argument("--skip_hf", action="store_true")
-    p.add_argument("--skip_eager", action="store_true")
-    p.add_argument("--heads", default=None)
-    p.add_argument("--tree", nargs="+", default=None, help="static tree(s), each timed in the same run "
-                   "(default tree16, none with --dynamic_tree)")
-    p.add_argument("--lookup", type=int, default=0, help="add a prompt-lookup branch (N-gram) to the head's tree")
-    p.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens: an EAGLE-2 dynamic tree "
-                   "(beside any --tree)")
-    p.add_argument("--spec_bench", type=int, default=0, metavar="N",
-                   help="instead: tau of --heads on the first N Spec-Bench questions of each category")
-    p.add_argument("--questions", default=str(SPEC_BENCH), help="with --spec_bench: the questions (JSONL, turns)")
-    p.add_argument("--max_prompt", type=int, default=1024, help="with --spec_bench: skip longer prompts")
-    p.add_argument("--compile", action="store_true", help="with --spec_bench: compile the step (faster, same tau)")
-    p.add_argument("--speed", action="store_true", help="with --spec_bench: also decode each question "
-                   "autoregressively; time both and compare their outputs")
-    p.add_argument("--ties", action="store_true", help="with --spec_bench (implies --speed): where an output "
-                   "differs from the autoregressive one, compare the two tokens' logits in an fp32 forward")
-    p.add_argument("--rows", action="store_true", help="instead: the cost of a compiled base forward over "
-                   "N = 1..64 tree rows on a 512-token prefix (ratios to N = 1), and of --heads' draft levels")
-    p.add_argument("--acceptance", default=None, metavar="PROMPTS", help="instead: measure --heads' acceptance in "
-                   "the real step (greedy, a 64-node tree and any --lookup chain) on PROMPTS (JSONL, not Spec-Bench) "
-                   "and keep it in the heads' acceptance.json, where --tree auto reads it")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (for plots.py)")
-    p.add_argument("--profile", default=None, metavar="FILE", help="without --spec_bench: also profile each "
-                   "engine once (torch.profiler, ops by self time and input shapes) into FILE")
-    args = p.parse_args()
-    try:
-        run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+def quality(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=134, dtype=torch.bfloat16):
+    """Next-token distributions of each quantized checkpoint against the float reference over the
+    answer positions of n held-out sequences (the last `held_out` of the data: greedy answers of the
+    base model), all in dtype (float32: the dequantized weights through F.linear, which isolates the
+    scheme's own error from bf16's rounding). Returns one dict of statistics per checkpoint (and the
+    reference's perplexity)."""
+    seqs, prompt_lens, _, _ = read_data(data)
+    held = list(zip(seqs, prompt_lens))[len(seqs) - held_out:][:n]
+    L = max(len(s) for s, _ in held)
+    models = [G.load_model(d, "cpu", dtype)[0] for d in [reference, *dirs]]
+    for m in models:
+        m.setup_caches(1, L)
+    kl, same, nll = [[] for _ in dirs], [0] * len(dirs), [[] for _ in models]
+    with torch.inference_mode():
+        for s, p in held:
+            ids = torch.as_tensor(s.astype("int64"))
+            target = ids[p:]                                                       # the answer [A]
+            logps = [m(ids[None], torch.arange(len(ids)))[0, p - 1:-1].float().log_softmax(-1) for m in models]
+            for j, lp in enumerate(logps):
+                nll[j].append(-lp.gather(1, target[:, None])[:, 0])
+            ref = logps[0]
+            for j, lp in enumerate(logps[1:]):
+                kl[j].append((ref.exp() * (ref - lp)).sum(-1).clamp(min=0))
+                same[j] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+    positions = sum(len(s) - p for s, p in held)
+    ppl = [torch.cat(x).mean().exp().item() for x in nll]
+    rows = []
+    for j, d in enumerate(dirs):
+        k = torch.cat(kl[j])
+        rows.append(dict(checkpoint=str(d), quant=quantization(d), mb=(Path(d) / "model.safetensors").stat().st_size / 1e6,
+                         kl_mean=k.mean().item(), kl_median=k.median().item(), kl_p99=k.quantile(0.99).item(),
+                         same_top1=same[j] / positions, ppl=ppl[j + 1], ppl_ref=ppl[0]))
+    return rows, len(held), positions
 
 
-def run(args):
-    device = G.check_device(args.device)
-    args.speed = args.speed or args.ties
-    if args.ties and not args.spec_bench:
-        raise ValueError("--ties judges Spec-Bench outputs: give --spec_bench N")
-    if args.profile and args.spec_bench:
-        raise ValueError("--profile profiles the story prompt's speed run: drop --spec_bench")
-    if args.rows and (args.spec_bench or args.profile):
-        raise ValueError("--rows is a benchmark of its own: drop --spec_bench and --profile")
-    if args.acceptance and (args.spec_bench or args.rows or args.profile):
-        raise ValueError("--acceptance is a measurement of its own: drop --spec_bench, --rows and --profile")
-    if args.acceptance and "spec_bench" in Path(args.acceptance).name.lower():
-        raise ValueError("--acceptance tunes --tree auto: on Spec-Bench it would tune the trees to the evaluation "
-                         "set; give other prompts (data/calibrate.jsonl)")
-    if args.acceptance and not args.heads:
-        raise ValueError("--acceptance measures draft heads: give --heads")
-    if args.acceptance and not Path(args.heads).is_dir():  # before the model loads
-        raise ValueError(f"--acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
-    if args.acceptance:
-        read_prompts(args.acceptance)  # a bad file fails before the model loads
-    if args.spec_bench and not args.heads:
-        raise ValueError("--spec_bench measures draft heads: give --heads")
-    if args.checkpoint and not (args.skip_hf or args.spec_bench):
-        raise ValueError("the transformers peer runs the embedded default model only: add --skip_hf with --checkpoint")
-    if args.spec_bench and not Path(args.questions).is_file():
-        raise ValueError(f"no questions file {args.questions}: give --questions (Spec-Bench's question.jsonl)")
-    dtype = getattr(torch, args.dtype)
-    model, tok = load_model(args.checkpoint, device, dtype)
-    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])), device=device)
-    n = args.max_new_tokens
-    head = load_heads(args.heads, model, None, args.lookup).to(device) if args.heads else None
-    if args.acceptance:
-        return measure_acceptance(args, model, tok, head)
-    # one speculator per tree: (name, draft, accept, depth, nodes, scratch)
+def llama_cpp(gguf, prompt, n: int):
+    """llama.cpp's greedy decode on a GGUF through llama-cpp-python (installed for the benchmark only,
+    never a dependency of the engine), measured as ours() measures ours: the time of n new tokens
+    minus the time of 1, on the same prompt ids, this process's threads. Returns measure() -> (tokens/s, 1.0)."""
+    from llama_cpp import Llama
+    threads = torch.get_num_threads()
+    llm = Llama(str(gguf), n_ctx=-(-(len(prompt) + n) // 256) * 256, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    ids = [int(t) for t in prompt]
+
+    def run(k):
+        llm.reset()
+        llm.eval(ids)
+        for _ in range(k - 1):  # the prompt's next token is the first; each further one is a one-token eval
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+
+    def measure():
+        t_n = once(lambda: run(n))
+        return (n - 1) / (t_n - once(lambda: run(1))), 1.0
+    return measure
+
+
+def quantized_speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs=5, compiled=True, gguf=None):
+    """Compiled decode tokens/s (bf16 activations) of the reference model and of each quantized
+    checkpoint on the story prompt, side by side in one run (side_by_side: in turns,
+    round after round): autoregressive and, with heads, speculative on `tree` (auto: what --tree auto
+    picks for each base, timed on first use); with gguf also llama.cpp's decoding of that file.
+    compiled=False: eager (tests). Returns [(name, tokens/s, tau, vs the reference's AR)]."""
+    engines = {}
+    for d in [reference, *dirs]:
+        model, tok = G.load_model(d, "cpu", torch.bfloat16)
+        compile_step = costs.compiler(model, "cpu", checkpoint=d) if compiled else lambda f: f
+        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])))
+        name = str(d or "bf16")
+        ar = compile_step(lambda t, pos, span=None, m=model: S.ar_step(m, t, pos, span=span))
+        engines[f"{name}, AR"] = lambda m=model, s=ar, p=prompt: ours(m, None, s, p, 0, n)
+        if not heads:
+            S.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
+            continue
+        head = G.load_heads(heads, model, None, lookup)
+        paths, _ = G.resolve_tree(model, head, heads, tree, "cpu", "default" if compiled else None, d)
+        if paths is None:  # auto chose plain decoding: its AR row above is the figure
+            S.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
+            continue
+        draft, accept, depth, nodes, scratch = S.speculator(model, head, paths)
+        S.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
+        spec = compile_step(lambda h, t, k, P, span=None, m=model, dr=draft, a=accept:
+                            S.spec_step(m, dr, a, h, t, k, P, span))
+        label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
+        engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth, nd=nodes: ours(m, hd, s, p, dp, n, nd)
+    if gguf:
+        engines[f"llama.cpp, {Path(gguf).name}"] = llama_cpp(gguf, prompt, n)
+    results = side_by_side(engines, runs)
+    ref = next(iter(results.values()))
+    return [(name, statistics.median(r for r, _ in res), res[-1][1], ratio(res, ref))
+            for name, res in results.items()]
+
+
+# ---------------------------------------------------------------- the modes
+
+def where(device: str) -> str:
+    return f"{costs.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else costs.machine(device)
+
+
+def load(args):
+    """The base model in --dtype (generate.load_model) and --heads with any --lookup branch."""
+    if args.lookup and not args.heads:
+        raise ValueError("--lookup adds a branch to a head's tree: give --heads too (or --heads ngram alone)")
+    model, tok = G.load_model(args.checkpoint, args.device, getattr(torch, args.dtype))
+    head = G.load_heads(args.heads, model, None, args.lookup) if args.heads else None
+    return model, tok, head
+
+
+def speculators(args, model, head):
+    """One speculator a tree: --tree's static trees (tree16 if neither is given), then --dynamic_tree.
+    Returns ([(tree name, Speculator)], auto's choice or None)."""
     specs, predicted = [], None
-    if head is not None:
-        dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
-        # --tree's static trees (tree16 if neither is given), then the dynamic one
-        for tree in (args.tree or ([] if dyn else ["tree16"])) + ([f"dynamic {args.dynamic_tree}"] if dyn else []):
-            paths = tree
-            if tree == "auto":  # what generate.py's --tree auto picks for a compiled step here
-                paths = G.resolve_tree(model, head, args.heads, "auto", device, args.compile_mode or "default",
-                                       args.checkpoint)
-                predicted = G.resolve_tree.choice
-                if paths is None:
-                    continue  # plain decoding: the compiled AR engine is already in the table
-            specs.append((tree, *G.speculator(model, head, paths, dyn if tree.startswith("dynamic") else None)))
-        if args.spec_bench and not specs:
-            raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
-    nodes, scratch = max([s[4] for s in specs], default=1), max([s[5] for s in specs], default=0)
-    spec_of = lambda draft, accept: lambda h, t, k, P, span=None: G.spec_step(model, draft, accept, h, t, k, P, span)
-    ar = lambda t, pos, span=None: G.ar_step(model, t, pos, span=span)
-    # (choosing the GEMM backends times a step once, on caches of its own: before the caches are set up)
-    compiled = G.compiler(model, device, args.compile_mode, args.checkpoint) \
-        if not args.rows and (args.compile or args.speed or not args.spec_bench) else None
-    if args.rows:
-        # the same measurement as --tree auto's, read from (and kept in) its cache
-        verify, draft = costs.measured_costs(model, head, args.heads or "", device, args.compile_mode or "default",
+    if head is None:
+        return specs, predicted
+    dyn = tuple(int(x) for x in args.dynamic_tree.split(",")) if args.dynamic_tree else None
+    for tree in (args.tree or ([] if dyn else ["tree16"])) + ([f"dynamic {args.dynamic_tree}"] if dyn else []):
+        paths = tree
+        if tree == "auto":  # what generate.py's --tree auto picks for a compiled step here
+            paths, predicted = G.resolve_tree(model, head, args.heads, "auto", args.device,
+                                              args.compile_mode or "default", args.checkpoint)
+            if paths is None:
+                continue  # plain decoding: the compiled AR engine is already in the table
+        specs.append((tree, S.speculator(model, head, paths, dyn if tree.startswith("dynamic") else None)))
+    return specs, predicted
+
+
+def run_rows(args):
+    """The cost of a compiled base forward over N tree rows, and of --heads' draft levels: the same
+    measurement as --tree auto's, read from (and kept in) its cache."""
+    model, _, head = load(args)
+    verify, draft = costs.measured_costs(model, head, args.heads or "", args.device, args.compile_mode or "default",
                                          args.checkpoint, rows=(1, 2, 4, 8, 16, 32, 64), depths=(1, 2, 3, 4))
-        where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
-        print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where}, "
-              "median of 20 calls taken in turns")
-        print("| rows | ms | vs 1 row |\n|---|---|---|")
-        for N, t in verify.items():
-            print(f"| {N} | {t * 1e3:.2f} | {t / verify[1]:.2f}x |")
-        if draft:
-            print(f"\n{args.heads}{' + lookup' if args.lookup else ''}: compiled draft of a chain, one node a level")
-            print("| depth | ms | ms for the last level |\n|---|---|---|")
-            for d, t in draft.items():
-                print(f"| {d} | {t * 1e3:.2f} | {(t - draft.get(d - 1, 0.0)) * 1e3:.2f} |")
-        print("command: python " + " ".join(sys.argv))
-        if args.json:
-            write_json(args.json, "rows", args, verify_s=verify, draft_s=draft)
-        return
-    if args.spec_bench:
-        t0 = time.perf_counter()
-        # one cache for every question (what a question leaves in it past its own length is masked),
-        # so that compiled steps are compiled once
-        G.setup_caches(model, head, G.cache_size(args.max_prompt, n, nodes, model.args.max_seq_len), scratch)
-        steps = [(name, spec_of(draft, accept), depth, nodes) for name, draft, accept, depth, nodes, _ in specs]
-        if args.compile or args.speed:
-            steps, ar = [(name, compiled(step), *rest) for name, step, *rest in steps], compiled(ar)
-        ref = None
-        if args.ties:  # an fp32 copy of the base judges where the outputs differ
-            ref, _ = load_model(args.checkpoint, device, torch.float32)
-            ref.setup_caches(1, args.max_prompt + n + 1)
-        results = spec_bench(model, tok, head, steps, ar, args.questions, args.spec_bench, n, args.max_prompt,
-                             args.speed, ref)
-        where = f"{G.machine(device)}, {torch.get_num_threads()} threads" if device == "cpu" else G.machine(device)
-        records = []
-        for (tree, *_, tree_nodes, _), res in zip(specs, results.values()):
-            name = f"{args.heads}{' + lookup' if args.lookup else ''} {tree}"
-            if tree == "auto":
-                name += f" ({predicted['nodes']} nodes, predicted {predicted['speedup']:.2f}x)"
-            print(f"\n{name}, greedy, {n} new tokens, {args.dtype}, {where}")
-            cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
-            print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
-            total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values())) if k != "ties"}
-            for cat, r in [*res.items(), ("all", total)]:
-                row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
-                if args.speed:
-                    ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
-                    row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
-                print(row)
-                r["tau"] = r["tokens"] / max(r["steps"], 1)
-                if args.speed:
-                    r["speedup"] = r["tokens"] / r["t_spec"] / (r["tokens_ar"] / r["t_ar"])
-            records.append(dict(tree=tree, nodes=tree_nodes, categories={
-                c: {k: v for k, v in r.items() if k != "ties"} for c, r in [*res.items(), ("all", total)]}))
-        if args.json:  # the first tree's figures at the top level (what plots.py draws), every tree's in `trees`
-            write_json(args.json, "spec_bench", args, **records[0], questions_per_category=args.spec_bench,
-                       speed=args.speed, auto_predicted=predicted and {k: v for k, v in predicted.items()
-                                                                       if k != "candidates"}, trees=records)
-        if ref is not None:
-            ties = [(cat, *t) for res in results.values() for cat, r in res.items() for t in r["ties"] if t is not None]
-            print(f"\nwhere the {len(ties)} differing outputs first differ, an fp32 forward over the common prefix:")
-            print(f"| category | token | fp32 logit, speculative - AR token | {args.dtype} spacing there | "
-                  "fp32 argmax |\n|---|---|---|---|---|")
-            for cat, i, gap, ulp, top in ties:
-                print(f"| {cat} | {i} | {gap:+.3f} | {ulp:.3f} | {top} |")
-            close = sum(abs(gap) <= 2 * ulp for _, _, gap, ulp, _ in ties)
-            votes = {w: sum(t[-1] == w for t in ties) for w in ("spec", "ar", "other")}
-            print(f"within 2 {args.dtype} spacings: {close} of {len(ties)}; the fp32 argmax is the speculative "
-                  f"token in {votes['spec']}, the autoregressive one in {votes['ar']}, another in {votes['other']}")
-        print(f"({time.perf_counter() - t0:.0f} s) command: python " + " ".join(sys.argv))
-        return
-    G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
+    print(f"\ncompiled base forward over N tree rows after a 512-token prefix, {args.dtype}, {where(args.device)}, "
+          "median of 20 calls taken in turns")
+    print("| rows | ms | vs 1 row |\n|---|---|---|")
+    for N, t in verify.items():
+        print(f"| {N} | {t * 1e3:.2f} | {t / verify[1]:.2f}x |")
+    if draft:
+        print(f"\n{args.heads}{' + lookup' if args.lookup else ''}: compiled draft of a chain, one node a level")
+        print("| depth | ms | ms for the last level |\n|---|---|---|")
+        for d, t in draft.items():
+            print(f"| {d} | {t * 1e3:.2f} | {(t - draft.get(d - 1, 0.0)) * 1e3:.2f} |")
+    print("command: python " + " ".join(sys.argv))
+    if args.json:
+        write_json(args.json, "rows", args, verify_s=verify, draft_s=draft)
+
+
+def run_spec_bench(args):
+    """tau of --heads on the first N questions of each Spec-Bench category; with --speed also each
+    question decoded autoregressively, both timed and their outputs compared; with --ties also how
+    close to a tie (in an fp32 forward) the two tokens were where the outputs first differ."""
+    args.speed = args.speed or args.ties
+    if not args.heads:
+        raise ValueError("spec_bench measures draft heads: give --heads")
+    if not Path(args.questions).is_file():
+        raise ValueError(f"no questions file {args.questions}: give --questions (Spec-Bench's question.jsonl)")
+    model, tok, head = load(args)
+    specs, predicted = speculators(args, model, head)
+    if not specs:
+        raise ValueError("--tree auto chose plain decoding here: nothing to speculate with; give a tree")
+    n, t0 = args.max_new_tokens, time.perf_counter()
+    compiled = costs.compiler(model, args.device, args.compile_mode, args.checkpoint) if args.compile or args.speed \
+        else (lambda f: f)
+    # one cache for every question (what a question leaves in it past its own length is masked), so that
+    # compiled steps are compiled once
+    S.setup_caches(model, head, G.cache_size(args.max_prompt, n, max(s.nodes for _, s in specs), model.args.max_seq_len),
+                   max(s.scratch for _, s in specs))
+    steps = [(name, compiled(lambda h, t, k, P, span=None, s=s: S.spec_step(model, s.draft, s.accept, h, t, k, P, span)),
+              s.depth, s.nodes) for name, s in specs]
+    ar = compiled(lambda t, pos, span=None: S.ar_step(model, t, pos, span=span))
+    ref = None
+    if args.ties:  # an fp32 copy of the base judges where the outputs differ
+        ref, _ = G.load_model(args.checkpoint, args.device, torch.float32)
+        ref.setup_caches(1, args.max_prompt + n + 1)
+    results = spec_bench(model, tok, head, steps, ar, args.questions, args.per_category, n, args.max_prompt,
+                         args.speed, ref)
+    records = [spec_bench_table(args, tree, s.nodes, res, predicted) for (tree, s), res in zip(specs, results.values())]
+    if args.json:  # the first tree's figures at the top level (what plots.py draws), every tree's in `trees`
+        write_json(args.json, "spec_bench", args, **records[0], questions_per_category=args.per_category,
+                   speed=args.speed, auto_predicted=predicted and {k: v for k, v in predicted.items()
+                                                                   if k != "candidates"}, trees=records)
+    if ref is not None:
+        ties_table(args, [(cat, *t) for res in results.values() for cat, r in res.items() for t in r["ties"]
+                          if t is not None])
+    print(f"({time.perf_counter() - t0:.0f} s) command: python " + " ".join(sys.argv))
+
+
+def spec_bench_table(args, tree, nodes, res, predicted) -> dict:
+    """Prints one tree's Spec-Bench table; returns its record for the JSON."""
+    name = f"{args.heads}{' + lookup' if args.lookup else ''} {tree}"
+    if tree == "auto":
+        name += f" ({predicted['nodes']} nodes, predicted {predicted['speedup']:.2f}x)"
+    print(f"\n{name}, greedy, {args.max_new_tokens} new tokens, {args.dtype}, {where(args.device)}")
+    cols = " tok/s AR | tok/s spec | speedup | same output |" if args.speed else ""
+    print(f"| category | questions | new tokens | tau |{cols}\n|---|---|---|---|" + "---|" * 4 * args.speed)
+    total = {k: sum(r[k] for r in res.values()) for k in next(iter(res.values())) if k != "ties"}
+    for cat, r in [*res.items(), ("all", total)]:
+        row = f"| {cat} | {r['q']} | {r['tokens']} | {r['tokens'] / max(r['steps'], 1):.2f} |"
+        if args.speed:
+            ar_rate, spec_rate = r["tokens_ar"] / r["t_ar"], r["tokens"] / r["t_spec"]
+            row += f" {ar_rate:.0f} | {spec_rate:.0f} | {spec_rate / ar_rate:.2f}x | {r['same']}/{r['q']} |"
+        print(row)
+        r["tau"] = r["tokens"] / max(r["steps"], 1)
+        if args.speed:
+            r["speedup"] = r["tokens"] / r["t_spec"] / (r["tokens_ar"] / r["t_ar"])
+    return dict(tree=tree, nodes=nodes, categories={c: {k: v for k, v in r.items() if k != "ties"}
+                                                    for c, r in [*res.items(), ("all", total)]})
+
+
+def ties_table(args, ties: list):
+    print(f"\nwhere the {len(ties)} differing outputs first differ, an fp32 forward over the common prefix:")
+    print(f"| category | token | fp32 logit, speculative - AR token | {args.dtype} spacing there | "
+          "fp32 argmax |\n|---|---|---|---|---|")
+    for cat, i, gap, ulp, top in ties:
+        print(f"| {cat} | {i} | {gap:+.3f} | {ulp:.3f} | {top} |")
+    close = sum(abs(gap) <= 2 * ulp for _, _, gap, ulp, _ in ties)
+    votes = {w: sum(t[-1] == w for t in ties) for w in ("spec", "ar", "other")}
+    print(f"within 2 {args.dtype} spacings: {close} of {len(ties)}; the fp32 argmax is the speculative "
+          f"token in {votes['spec']}, the autoregressive one in {votes['ar']}, another in {votes['other']}")
+
+
+def run_speed(args):
+    """The story prompt: our engine eager and compiled, transformers' generate and --heads' trees,
+    side by side in one run; with --profile also where each engine's time goes."""
+    if args.checkpoint and not args.skip_hf:
+        raise ValueError("the transformers peer runs the embedded default model only: add --skip_hf with --checkpoint")
+    model, tok, head = load(args)
+    prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": PROMPT}])), device=args.device)
+    n = args.max_new_tokens
+    specs, predicted = speculators(args, model, head)
+    # (choosing the GEMM backends times a step once, on caches of its own: before the caches are set up)
+    compiled = costs.compiler(model, args.device, args.compile_mode, args.checkpoint)
+    S.setup_caches(model, head, G.cache_size(len(prompt), n, max([s.nodes for _, s in specs], default=1),
+                                             model.args.max_seq_len), max([s.scratch for _, s in specs], default=0))
+    ar = lambda t, pos, span=None: S.ar_step(model, t, pos, span=span)
     engines = {}  # name -> a function measuring (tokens/s, tau) once
     if not args.skip_eager:
         engines["ours, eager"] = lambda: ours(model, None, ar, prompt, 0, n)
     ar_compiled = compiled(ar)
     engines["ours, compiled"] = lambda: ours(model, None, ar_compiled, prompt, 0, n)
     tree_of = {}  # engine name -> (tree, nodes)
-    for tree, draft, accept, depth, nodes, _ in specs:
+    for tree, s in specs:
         name = f"ours, compiled, {type(head).__name__} {tree}"
-        engines[name] = (lambda step, d, r: lambda: ours(model, head, step, prompt, d, n, r))(
-            compiled(spec_of(draft, accept)), depth, nodes)
-        tree_of[name] = (tree, nodes)
+        step = compiled(lambda h, t, k, P, span=None, s=s: S.spec_step(model, s.draft, s.accept, h, t, k, P, span))
+        engines[name] = lambda step=step, s=s: ours(model, head, step, prompt, s.depth, n, s.nodes)
+        tree_of[name] = (tree, s.nodes)
     if not args.skip_hf:
-        engines["transformers generate"] = hf(dtype, device, prompt, n)
+        engines["transformers generate"] = hf(getattr(torch, args.dtype), args.device, prompt, n)
     results = side_by_side(engines, args.runs)
     first, ar_c = next(iter(results.values())), results["ours, compiled"]
     rows = [(name, statistics.median(r for r, _ in res), res[-1][1], ratio(res, first), ratio(res, ar_c))
             for name, res in results.items()]
-    threads = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name(device)
+    threads = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
     print(f"\n{args.dtype}, {n} new tokens, prompt {len(prompt)} tokens, median of {args.runs} interleaved runs, "
           f"{threads}")
-    print(f"| engine | tok/s | ms/token | tau | vs {rows[0][0]} |")
-    print("|---|---|---|---|---|")
+    print(f"| engine | tok/s | ms/token | tau | vs {rows[0][0]} |\n|---|---|---|---|---|")
     for name, rate, tau, vs_first, _ in rows:
         print(f"| {name} | {rate:.1f} | {1000 / rate:.1f} | {tau:.2f} | {vs_first:.2f}x |")
     if predicted is not None:
@@ -455,24 +522,34 @@ def run(args):
     if args.profile:  # after the timed rounds, so that the profiler's overhead stays out of them
         with open(args.profile, "w") as f:
             for name, measure in engines.items():
-                f.write(f"{name}, one measurement ({n} + 1 tokens)\n{profile_table(measure, device.startswith('cuda'))}\n")
+                f.write(f"{name}, one measurement ({n} + 1 tokens)\n"
+                        f"{profile_table(measure, args.device.startswith('cuda'))}\n")
         print(f"profile of each engine: {args.profile}")
 
 
-def measure_acceptance(args, model, tok, head):
-    """--acceptance: step_acceptance on a tree of the head's 64 most frequent held-out paths (Medusa's
-    mc_sim_7b_63 without them) and a lookup chain 8 deep (how deep `auto` may then make its chain),
-    kept as acceptance.json's "step" beside the held-out counts."""
+def run_acceptance(args):
+    """--heads' acceptance measured in the real step on PROMPTS, kept in the heads' acceptance.json
+    (where --tree auto reads it): step_acceptance on a tree of the head's 64 most frequent held-out
+    paths (Medusa's mc_sim_7b_63 without them) and a lookup chain 8 deep (how deep `auto` may then make
+    its chain), kept as acceptance.json's "step" beside the held-out counts."""
+    if "spec_bench" in Path(args.prompts).name.lower():
+        raise ValueError("acceptance tunes --tree auto: on Spec-Bench it would tune the trees to the evaluation "
+                         "set; give other prompts (data/calibrate.jsonl)")
+    if not args.heads:
+        raise ValueError("acceptance measures draft heads: give --heads")
+    if not Path(args.heads).is_dir():  # before the model loads
+        raise ValueError(f"acceptance keeps its counts in the heads' folder: {args.heads} is not a folder")
+    read_prompts(args.prompts)  # a bad file fails before the model loads
+    model, tok, head = load(args)
     path = Path(args.heads) / "acceptance.json"
     acc = json.loads(path.read_text()) if path.is_file() else {}
-    inner = head.head if isinstance(head, WithLookup) else head
-    limit = getattr(inner, "num_heads", 0)
+    limit = head.max_depth or 0
     paths = best_paths({tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}, 64, limit) if "paths" in acc \
         else [p for p in load_tree("mc_sim_7b_63") if not limit or len(p) <= limit]
     t0 = time.perf_counter()
-    chain = [[-1] + [0] * 7] if isinstance(head, WithLookup) else []
-    step = step_acceptance(model, tok, head, paths + chain, args.acceptance, args.max_new_tokens, args.max_prompt)
-    acc["step"] = dict(source=Path(args.acceptance).name, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+    chain = [[-1] + [0] * 7] if head.lookup else []
+    step = step_acceptance(model, tok, head, paths + chain, args.prompts, args.max_new_tokens, args.max_prompt)
+    acc["step"] = dict(source=Path(args.prompts).name, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                        checkpoint=args.checkpoint or "default", date=datetime.date.today().isoformat(), **step)
     path.write_text(json.dumps(acc) + "\n")
     R = step["roots"]
@@ -482,6 +559,105 @@ def measure_acceptance(args, model, tok, head):
     print(f"{path}: {sum(step['walk']['lengths'])} positions over {step['prompts']} prompts "
           f"({time.perf_counter() - t0:.0f} s); the big tree's own decode took {R} steps, where the accepted "
           f"path starts with {head_rates}{lookup_rates}")
+
+
+def run_quality(args):
+    """Quantized checkpoints' next-token distributions against the float model's (--checkpoint)."""
+    rows, n, positions = quality(args.dirs, args.checkpoint, args.data, args.n, dtype=getattr(torch, args.dtype))
+    print(f"\n`python bench.py quality {' '.join(args.dirs)} --n {args.n} --dtype {args.dtype}`: {n} held-out "
+          f"sequences of {args.data}, {positions} answer positions, {args.dtype} activations, reference "
+          f"the float model in {args.dtype} (perplexity {rows[0]['ppl_ref']:.3f})\n")
+    print("| checkpoint | scheme | MB | KL mean | KL median | KL p99 | same top-1 | perplexity |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        q = r["quant"] or {}
+        scheme = f"{q.get('mode')}{'-g%s' % q['groupsize'] if q.get('groupsize') else ''}" + \
+                 (" + lm_head int8" if q.get("lm_head") else "")
+        print(f"| {r['checkpoint']} | {scheme} | {r['mb']:.0f} | {r['kl_mean']:.4f} | {r['kl_median']:.4f} "
+              f"| {r['kl_p99']:.4f} | {100 * r['same_top1']:.1f}% | {r['ppl']:.3f} |")
+
+
+def run_quantized(args):
+    """Compiled decode speed of quantized checkpoints beside the float model's (--checkpoint), side by side."""
+    gguf = default_checkpoint() if args.llama_cpp == "default" else args.llama_cpp
+    if gguf and not Path(gguf).is_file():
+        raise ValueError(f"--llama_cpp {gguf}: no such GGUF file")
+    if gguf and importlib.util.find_spec("llama_cpp") is None:
+        raise ValueError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python: a benchmark "
+                         "tool, not a dependency; it builds llama.cpp, about 15 minutes on 2 cores)")
+    tree = (args.tree or ["tree16"])[0]
+    rows = quantized_speed(args.dirs, args.checkpoint, args.heads, args.lookup, tree, args.max_new_tokens,
+                           args.runs, gguf=gguf)
+    print(f"\ncompiled decoding, bf16 activations, the story prompt, {args.max_new_tokens} new tokens, "
+          f"median of {args.runs} interleaved runs, {where('cpu')}")
+    print(f"| engine | tok/s | tau | vs {rows[0][0]} |\n|---|---|---|---|")
+    for name, rate, tau, vs in rows:
+        print(f"| {name} | {rate:.1f} | {tau:.2f} | {vs:.2f}x |")
+    print("command: python " + " ".join(sys.argv))
+
+
+MODES = {"speed": run_speed, "spec_bench": run_spec_bench, "rows": run_rows, "acceptance": run_acceptance,
+         "quality": run_quality, "quantized": run_quantized}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    base.add_argument("--device", default="cpu", help="cpu or cuda (compiled steps then run as CUDA graphs)")
+    base.add_argument("--checkpoint", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    base.add_argument("--max_new_tokens", type=int, default=128)
+    base.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (for plots.py)")
+    drafting = argparse.ArgumentParser(add_help=False, parents=[base])
+    drafting.add_argument("--heads", default=None)
+    drafting.add_argument("--tree", nargs="+", default=None, help="static tree(s), each timed in the same run "
+                          "(default tree16, none with --dynamic_tree)")
+    drafting.add_argument("--lookup", type=int, default=0, help="add a prompt-lookup branch (N-gram) to the head's tree")
+    drafting.add_argument("--dynamic_tree", default=None, help="top_k,depth,total_tokens: an EAGLE-2 dynamic tree "
+                          "(beside any --tree)")
+    drafting.add_argument("--compile_mode", default=None,
+                          help="default: max-autotune-no-cudagraphs on CPU, reduce-overhead (CUDA graphs) on CUDA")
+    drafting.add_argument("--runs", type=int, default=5)
+    modes = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    m = modes.add_parser("speed", parents=[drafting], help=run_speed.__doc__.split("\n")[0])
+    m.add_argument("--skip_hf", action="store_true")
+    m.add_argument("--skip_eager", action="store_true")
+    m.add_argument("--profile", default=None, metavar="FILE", help="also profile each engine once (torch.profiler, "
+                   "ops by self time and input shapes) into FILE")
+    m = modes.add_parser("spec_bench", parents=[drafting], help=run_spec_bench.__doc__.split("\n")[0])
+    m.add_argument("per_category", type=int, metavar="N", help="questions of each category")
+    m.add_argument("--questions", default=str(SPEC_BENCH), help="the questions (JSONL, turns)")
+    m.add_argument("--max_prompt", type=int, default=1024, help="skip longer prompts")
+    m.add_argument("--compile", action="store_true", help="compile the step (faster, same tau)")
+    m.add_argument("--speed", action="store_true", help="also decode each question autoregressively; time both "
+                   "and compare their outputs")
+    m.add_argument("--ties", action="store_true", help="(implies --speed) where an output differs from the "
+                   "autoregressive one, compare the two tokens' logits in an fp32 forward")
+    modes.add_parser("rows", parents=[drafting], help="the cost of a compiled base forward over N = 1..64 tree "
+                     "rows on a 512-token prefix (ratios to N = 1), and of --heads' draft levels")
+    m = modes.add_parser("acceptance", parents=[drafting], help="measure --heads' acceptance in the real step "
+                         "(greedy, a 64-node tree and any --lookup chain) on PROMPTS (JSONL, not Spec-Bench) and keep "
+                         "it in the heads' acceptance.json, where --tree auto reads it")
+    m.add_argument("prompts", metavar="PROMPTS")
+    m.add_argument("--max_prompt", type=int, default=1024, help="skip longer prompts")
+    m = modes.add_parser("quality", parents=[base], help="quality of quantized checkpoints against the float model "
+                         "(--checkpoint): KL, top-1 agreement and perplexity on held-out answers")
+    m.add_argument("dirs", nargs="+", metavar="DIR")
+    m.add_argument("--data", default="data/selfdistill.npz", help="sequences; the last 134 are held out")
+    m.add_argument("--n", type=int, default=24, help="held-out sequences to score")
+    m = modes.add_parser("quantized", parents=[drafting], help="compiled decode speed of quantized checkpoints "
+                         "beside the float model's (--checkpoint), side by side in one run")
+    m.add_argument("dirs", nargs="+", metavar="DIR")
+    m.add_argument("--llama_cpp", nargs="?", const="default", default=None, metavar="GGUF",
+                   help="also llama.cpp on this GGUF (default: the embedded model's), through "
+                        "llama-cpp-python, which the benchmark needs and the engine never imports")
+    args = p.parse_args(argv)
+    try:
+        args.device = G.check_device(args.device)
+        MODES[args.mode](args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

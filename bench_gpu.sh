@@ -54,7 +54,7 @@ for cfg in "eagle --tree auto tree16" "hydra --tree auto mc_sim_7b_63" "medusa -
     set -- $cfg
     name=$1; shift
     start=$SECONDS
-    $py bench.py --device "$device" --dtype bfloat16 --heads heads/$name-smollm2 --lookup 3 "$@" --spec_bench 1 \
+    $py bench.py spec_bench 1 --device "$device" --dtype bfloat16 --heads heads/$name-smollm2 --lookup 3 "$@" \
         --max_new_tokens 128 --speed --questions "$questions"
     (( SECONDS - start > longest )) && longest=$(( SECONDS - start ))
 done

@@ -2,10 +2,12 @@
 (a base forward over N tree rows, a head's draft levels, the whole steps) and that the compiler's
 GEMM choice reads, under the project's cache folder, keyed by machine, model, dtype, head and the
 engine's code; and auto_tree, the tree they and the head's measured acceptance choose
-(trees.choose_tree). `bench.py --rows` prints the same tables."""
+(trees.choose_tree). `bench.py rows` prints the same tables."""
+import functools
 import hashlib
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -15,19 +17,65 @@ import torch
 from tqdm import tqdm
 
 import checkpoint as ckpt
-import generate as G
-from heads import NGram, WithLookup, draft_static, plan_to, static_plan
+import cpu_kernels
+import speculate as S
+from heads import NGram, draft_static, plan_to, static_plan
 from trees import PLAIN, choose_tree, interpolate, split_chain, step_walk
 
 # tree rows and draft depths timed for --tree auto: every size up to 32 rows (the forwards over 2 or more
 # rows are one compiled graph with the rows symbolic, so sizes cost only their run time, and no size is
-# read between timed ones where a CPU's curve bends), then a line to 64; bench.py --rows prints the powers of two
+# read between timed ones where a CPU's curve bends), then a line to 64; bench.py rows prints the powers of two
 ROWS, DEPTHS = (*range(1, 33), 48, 64), (1, 4)
 # trees predicted this close to the best are timed whole, at most this many, in this many turns
 NEAR, NEAR_TREES, NEAR_REPS = 0.03, 3, 60
 TIE = 0.02  # timed whole, trees this close to the fastest are a tie, which goes to the fewest nodes
 ENGINE = ("model.py", "cpu_kernels.py", "cpu_kernels.h", "cpu_kernels.cpp", "cpu_kernels_avx2.cpp", "heads.py",
-          "trees.py", "generate.py", "costs.py", "quantize.py")  # whose code the timings time
+          "trees.py", "speculate.py", "costs.py", "quantize.py")  # whose code the timings time
+
+
+def machine(device: str) -> str:
+    """The CPU's model name as lscpu prints it, with its family and model numbers (two Xeons of
+    different speeds have both called themselves "Intel(R) Xeon(R) Processor"), or the GPU's name:
+    speed depends on it."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        if "model name" in info:
+            ids = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
+            return info["model name"] + ids
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+GEMMS = ("CPP,ATEN", "ATEN")  # inductor's C++ GEMM template or oneDNN, by timing; oneDNN alone
+
+
+def gemm_choice(model, device: str, mode=None, checkpoint=None):
+    """The GEMM backends (one of GEMMS) that make this model's one-token step fastest here, for
+    speculate.compile_step, or None where there is nothing to choose. On a CPU max-autotune picks each
+    GEMM's kernel by timing it over and over on the same weights, hot in the caches, while a decode
+    step streams them from memory, so it can pick the slower one for a step (docs/speed.md). So the
+    one-row forward is timed with each of GEMMS once per machine and model (cached, like --tree auto's
+    costs), and every step compiled here gets the faster. Where our kernels do every projection
+    (cpu_kernels.torch_gemms) there is nothing to choose."""
+    if not (device == "cpu" and "max-autotune" in (mode or "max-autotune") and cpu_kernels.torch_gemms(model)):
+        return None
+
+    def measure(idx):
+        return {i: step_costs(model, None, lambda f, g=GEMMS[i]: S.compile_step(f, device, mode, g),
+                              rows=(1,))[0][1] for i in idx}
+    t = cached_costs({**cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
+                     range(len(GEMMS)), measure, ckpt.CACHE_DIR)
+    return GEMMS[min(range(len(GEMMS)), key=t.get)]
+
+
+def compiler(model, device: str, mode=None, checkpoint=None):
+    """speculate.compile_step for this model's steps (fn -> compiled fn), with gemm_choice's GEMM backends."""
+    return functools.partial(S.compile_step, device=device, mode=mode, gemm=gemm_choice(model, device, mode, checkpoint))
 
 
 def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, trees=()):
@@ -47,16 +95,15 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
     rows = [N for N in rows if prefix + N + 2 * max_depth + 2 <= model.args.max_seq_len]
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(model.args.vocab_size // 2, model.args.vocab_size, (prefix,), generator=gen).to(dev)
-    specs = [G.speculator(model, head, t) for t in trees]  # each (draft, accept, depth, nodes, head scratch)
+    specs = [S.speculator(model, head, t) for t in trees]  # each (draft, accept, depth, nodes, head scratch)
     # the caches' lengths are static in a compiled graph: sized alike for every call (the verify table's, the
     # draft levels', the whole steps'), the one-row forward that each of them times is one graph, compiled
-    # once in a process (a 2-core Zen 3: 70 s a compile, one for each of auto's first timings); the whole
-    # steps' head scratch is generation's, so that generation's steps are these graphs (G.SLOTS; a few trees
-    # timed together share the head cache's length as setup_caches rounds it)
-    max_depth = max(max_depth, *DEPTHS, *(s[2] for s in specs))
-    max_rows = max(max_rows, *ROWS, *(s[3] for s in specs))
-    scratch = max([max_rows + 2 * max_depth + 2 if depths else 0] + [s[4] for s in specs])
-    G.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len), scratch)
+    # once in a process; the whole steps' head scratch is generation's, so that generation's steps are these
+    # graphs (S.SLOTS; a few trees timed together share the head cache's length as setup_caches rounds it)
+    max_depth = max(max_depth, *DEPTHS, *(s.depth for s in specs))
+    max_rows = max(max_rows, *ROWS, *(s.nodes for s in specs))
+    scratch = max([max_rows + 2 * max_depth + 2 if depths else 0] + [s.scratch for s in specs])
+    S.setup_caches(model, head, min(prefix + max_rows + max_depth + 1, model.args.max_seq_len), scratch)
     P = torch.tensor(prefix, device=dev)
 
     def verify(tokens, P):  # tokens [N], as spec_step calls the model
@@ -65,10 +112,8 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
         slots = torch.arange(N, device=dev)
         prefix = torch.arange(model.max_seq_len, device=dev)[None, :] < P
         return model(tokens[None], P + slots, prefix, cache_pos=P + slots, tree_mask=chain)
-    # one row compiles static, as the gemm choice (compiler) timed it; 2 or more rows share one graph, the
-    # rows symbolic: 1-2 minutes of compiling in all on a CPU, not for each size. (Zen 3, the same
-    # afternoon: 8 rows 21.7 ms in it against 21.5 compiled static, 1-10% either way, as two static
-    # compiles of one shape differ here; a static graph of 5 sizes cost 92 s each to compile.)
+    # one row compiles static, as gemm_choice timed it; 2 or more rows share one graph, the rows symbolic:
+    # one compile in all, not one for each size, at the speed of static graphs (docs/speed.md)
     verify = compiled(verify)
     calls = {}
     # dynamo's limit of 8 graphs a code object: the gemm choice's graphs, each compiler's static and
@@ -81,22 +126,22 @@ def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps
                 torch._dynamo.maybe_mark_dynamic(tokens, 0)  # (a kernel's row range may pin a size)
             calls[("verify", N)] = lambda tokens=tokens: verify(tokens, P)
         if depths:
-            lookup = isinstance(head, WithLookup)
+            lookup = head.lookup > 0
             draft = compiled(lambda plan, h, t, n, P: draft_static(head, model, plan, h, t, n, P))
             for d in depths:
                 plan = plan_to(static_plan([[0] * (i + 1) for i in range(d)], lookup), dev)
-                _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
+                _, state = S.start(model, head, ctx, d, dict(temperature=0.0))
                 calls[("draft", d)] = lambda plan=plan, state=state: draft(plan, *state)
         if specs:
-            ar = compiled(lambda token, pos, span: G.ar_step(model, token, pos, span=span))  # (generation's names: one graph)
-            span = G.live_span(model, 1) or (lambda P: None)
+            ar = compiled(lambda token, pos, span: S.ar_step(model, token, pos, span=span))  # (generation's names: one graph)
+            span = S.live_span(model, 1) or (lambda P: None)
             host = lambda out: torch.cat([out[1].view(1), out[0]]).tolist()  # the loop's one host sync
             calls[("step", "ar")] = lambda: host(ar(ctx[-1], P, span(prefix)))
         for i, (draft_fn, accept, d, nodes, _) in enumerate(specs):
             sp = compiled(lambda h, t, n, P, span, draft_fn=draft_fn, accept=accept:
-                          G.spec_step(model, draft_fn, accept, h, t, n, P, span))
-            _, state = G.start(model, head, ctx, d, dict(temperature=0.0))
-            tree_span = G.live_span(model, nodes) or (lambda P: None)
+                          S.spec_step(model, draft_fn, accept, h, t, n, P, span))
+            _, state = S.start(model, head, ctx, d, dict(temperature=0.0))
+            tree_span = S.live_span(model, nodes) or (lambda P: None)
             calls[("step", i)] = lambda sp=sp, state=state, tree_span=tree_span: host(sp(*state, tree_span(prefix)))
         for fn in tqdm(calls.values(), desc="timing the step's parts (once per machine and model)", unit="shape",
                        file=sys.stderr):
@@ -145,7 +190,7 @@ def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, 
     code; for the draft also the head's files and its lookup branch (its n-gram length: the choice weighs
     that lookup's acceptance)."""
     code = hashlib.sha1(b"".join((Path(__file__).parent / f).read_bytes() for f in ENGINE)).hexdigest()[:12]
-    key = dict(machine=G.machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
+    key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
                layers=model.args.n_layer, dim=model.args.dim, compiled=compile_mode)
     if head is None:
@@ -154,22 +199,24 @@ def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, 
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
                      if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
     return {**key, "part": "draft", "heads": str(folder.resolve()), "weights": weights,
-            "lookup": head.ngram.n if isinstance(head, WithLookup) else 0}
+            "lookup": head.lookup}
 
 
 def timing_compiler(model, device: str, compile_mode, checkpoint):
     """How the step's timings compile (compile_mode None: eager), and the mode their cache keys name:
-    with the GEMM backends `compiler` chose, which the timings depend on."""
-    compiled = G.compiler(model, device, None if compile_mode == "default" else compile_mode, checkpoint) \
-        if compile_mode else (lambda f: f)
-    return compiled, compile_mode and f"{compile_mode} {compiled.gemm}"
+    with the GEMM backends gemm_choice chose, which the timings depend on."""
+    if not compile_mode:
+        return (lambda f: f), compile_mode
+    mode = None if compile_mode == "default" else compile_mode
+    gemm = gemm_choice(model, device, mode, checkpoint)
+    return functools.partial(S.compile_step, device=device, mode=mode, gemm=gemm), f"{compile_mode} {gemm}"
 
 
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,
                    depths=DEPTHS):
     """step_costs on this machine (compiled as compile_mode compiles; None: eager), measured once per
     cost_key and kept under the project's cache folder: verification once for the base model (every
-    head shares it), each head's draft levels once for that head. --tree auto and bench.py --rows
+    head shares it), each head's draft levels once for that head. --tree auto and bench.py rows
     share them. Returns ({N: s}, {depth: s}) (no head: {})."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
     t_verify = cached_costs(cost_key(model, device, compile_mode, checkpoint), rows,
@@ -191,13 +238,9 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
     static trees, costs beyond what the tables give for its forwards (t_verify's rows, t_draft's
     levels): the loop's host sync, sampling or acceptance, compaction, the one-row step's own attention
     path, and what the tables miss, such as a draft whose weights the base's forward has just pushed out
-    of the caches, or a host whose speed has moved since the tables (Xeon 207: acceptance and compaction
-    0.1-0.2 ms of a 10-node tree's 0.8-1.0; its 10 rows 1.16x one row in the step's run, 1.03x in the
-    table). The steps are timed in turns beside one row, to carry them into the tables' units;
-    the tables' own parts are subtracted, so that a tree is predicted at its measured step. (Xeon 167,
-    subtracting the step run's own parts instead: the tables held 2.16 ms for EAGLE's 3 levels, a run
-    beside whole steps timed 3.5, and the 9-node tree was predicted at 2.02x against 1.86x on
-    Spec-Bench.) Timed once per set of trees (cached)."""
+    of the caches, or a host whose speed has moved since the tables. The steps are timed in turns beside
+    one row, to carry them into the tables' units; the tables' own parts are subtracted, so that a tree is
+    predicted at its measured step (docs/speed.md). Timed once per set of trees (cached)."""
     compiled, compile_mode = timing_compiler(model, device, compile_mode, checkpoint)
 
     def measure(_):
@@ -206,7 +249,7 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
         o = {0: step["ar"] * scale - interpolate(t_verify, 1)}
         for i, (paths, t) in enumerate(zip(trees, step["spec"])):
             depth = max(len(p) for p in split_chain(paths)[0])  # the head's draft levels (a lookup chain drafts none)
-            nodes = static_plan(paths, isinstance(head, WithLookup)).tree.num_nodes
+            nodes = static_plan(paths, head.lookup > 0).tree.num_nodes
             o[i + 1] = t * scale - interpolate(t_draft, depth) - interpolate(t_verify, nodes)
         return o
     key = {**cost_key(model, device, compile_mode, checkpoint, head, heads_dir), "part": "overhead", "trees": trees}
@@ -216,7 +259,7 @@ def step_overhead(model, head, heads_dir, device: str, compile_mode, checkpoint,
 
 def ngram_acceptance(n: int, checkpoint=None):
     """The n-gram drafter's acceptance, as a head's acceptance.json gives it: it has none of its own,
-    but `bench.py --acceptance` measured its chain beside each shipped head of the base model
+    but `bench.py acceptance` measured its chain beside each shipped head of the base model
     (heads/*/), on the calibration prompts. The chain's tokens are checked against the base's own
     greedy tokens, so its hits do not depend on the head beside it; the files are pooled. The chain
     is a head of one path: [0] * j right as often as the lookup's first j tokens. None for another
@@ -237,10 +280,11 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
     """--tree auto: the static tree (or plain decoding) that maximises expected tokens a second
     here (trees.choose_tree), from the head's acceptance and this machine's measured step costs.
     acceptance.json holds the held-out counts train.py measured on its data and, where
-    `bench.py --acceptance` ran, counts measured in the step on realistic prompts, the lookup chain
+    `bench.py acceptance` ran, counts measured in the step on realistic prompts, the lookup chain
     beside the head (its "step"): those are preferred; the n-gram drafter's chain: ngram_acceptance.
     None: no acceptance measured (official checkpoints; the n-gram drafter on another base model)."""
-    if isinstance(head, NGram):
+    ngram = isinstance(head, NGram)  # no weights, no acceptance.json: the chain beside the shipped heads
+    if ngram:
         acc, heldout = ngram_acceptance(head.n, checkpoint), {}
         stamp = acc and json.dumps(acc).encode()
     else:
@@ -258,11 +302,11 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         return json.loads(kept.read_text())
     counts = {tuple(p): c for p, c in zip(acc["paths"], acc["counts"])}
     depth = max((len(p) for p in acc["paths"]), default=1)
-    depth = min(depth, getattr(head.head if isinstance(head, WithLookup) else head, "num_heads", depth))
+    depth = min(depth, head.max_depth or depth)
     t_verify, t_draft = measured_costs(model, head, heads_dir, device, compile_mode, checkpoint,
                                        depths=sorted({1, depth}))
-    lookup, hits, both = isinstance(head, WithLookup), None, None
-    n = lookup and str(head.ngram.n)
+    lookup, hits, both = head.lookup > 0, None, None
+    n = lookup and str(head.lookup)
     if lookup and n in acc.get("both", {}):  # measured beside the head: no independence assumed
         both = {tuple(p): c for p, c in zip(acc["paths"], acc["both"][n])}
         hits = [c / acc["lookup"]["roots"] for c in acc["lookup"]["counts"][n]]
@@ -270,7 +314,7 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         hits = [c / heldout["lookup"]["roots"] for c in heldout["lookup"]["counts"][n]]
 
     # measured at every position (with this lookup, if any): each tree's tau walked, not summed
-    walk = acc.get("walk") if isinstance(head, NGram) else step_walk(acc, int(n) if lookup else 0)
+    walk = acc.get("walk") if ngram else step_walk(acc, int(n) if lookup else 0)
     choose = lambda overhead=(0.0, 0.0): choose_tree(counts, acc["roots"], t_verify, t_draft, lookup=lookup,
                                                      lookup_hits=hits, both=both, overhead=overhead, walk=walk)
     choice = choose()
@@ -280,11 +324,9 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
         o_ar, (o_spec,) = step_overhead(model, head, heads_dir, device, compile_mode, checkpoint, t_verify, t_draft,
                                         [choice["paths"]])
         choice = {**choose((o_ar, o_spec)), "overhead": [o_ar, o_spec]}
-    # predictions within a few percent are a tie that one cost table cannot break (Xeon 207: 10 and 16
-    # nodes predicted 0.7% apart, 1.81x and 1.85x on Spec-Bench): they are weighed at their own whole
-    # steps, the best of each size (what the tables can miss is what the rows cost), timed in turns in one
-    # run (a compile each): timed one run a tree, their overheads moved by 0.2-1.1 ms from run to run,
-    # more than the few percent between them (Xeon 207, three draws: 10, 12 and 15 nodes chosen)
+    # predictions within a few percent are a tie that one cost table cannot break: they are weighed at their
+    # own whole steps, the best of each size (what the tables can miss is what the rows cost), timed in turns
+    # in one run, since timed one run a tree their overheads moved more than the few percent between them
     near = {}
     for c in sorted(choice["candidates"], key=lambda c: -c["speedup"]) if choice["paths"] is not None else ():
         if c["speedup"] >= (1 - NEAR) * choice["speedup"] and len(near) < NEAR_TREES:
@@ -297,9 +339,7 @@ def auto_tree(model, head, heads_dir, device: str, compile_mode=None, checkpoint
                 interpolate(t_draft, c["depth"]) + interpolate(t_verify, c["nodes"]) + o))
         top = max(near.values(), key=lambda c: c["speedup"])
         # a tie goes to the smaller tree: where Spec-Bench measured both, the larger's extra rows cost more and
-        # its extra tau bought less than the calibration and the 512-token timing said (Xeon 207, 2026-12-07:
-        # Hydra 14 nodes timed 0.3% ahead of 10, measured 1.94x against 2.04x; EAGLE's 10 nodes ahead of 15
-        # by 4-7% where timed 0.1-1.7% ahead; Zen 3: 5 nodes 10% ahead of 6; Medusa's 15 nodes 2% ahead of 10)
+        # its extra tau bought less than the calibration and the 512-token timing said (docs/speed.md)
         tie = [c for c in near.values() if c["speedup"] >= (1 - TIE) * top["speedup"] and c["speedup"] > 1.0]
         choice = {**choice, **(min(tie, key=lambda c: c["nodes"]) if tie else PLAIN), "timed": list(near)}
     kept.parent.mkdir(parents=True, exist_ok=True)

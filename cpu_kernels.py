@@ -3,11 +3,10 @@ projections and attention; with AMX (Intel Xeon) every step's projections and at
 with AVX2 only (AMD Zen 3) every projection and a tree's attention.
 
 A tree step multiplies 2-16 rows by every weight and attends from them over the cache. What torch
-ships does both badly there (measured on a 2-core Zen 4, docs/speed.md): inductor's GEMM template
-converts bf16 to fp32 and runs FMAs (no vdpbf16ps micro-kernel), bound by arithmetic past a few
-rows, and oneDNN streams the weights at about 14 GB/s with a per-call floor of 30-40 us; the tree
-attention, written in torch ops, costs two bmm calls, a copy of the cache span to fp32 and a
-softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products summed into fp32):
+ships does both badly there (docs/speed.md): inductor's GEMM template converts bf16 to fp32 and runs
+FMAs (no vdpbf16ps micro-kernel), bound by arithmetic past a few rows, and oneDNN streams the weights
+at half the memory's rate with a per-call floor; the tree attention, written in torch ops, costs two
+bmm calls, a copy of the cache span to fp32 and a softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products summed into fp32):
 
 - rows_linear: the weights packed once (pack) so that each 64-byte line holds 16 columns' pair of k;
   every line loaded meets all the rows from registers, with no horizontal sums, and each thread
@@ -15,29 +14,29 @@ softmax pass a layer. Both kernels here use vdpbf16ps (pairs of bf16 products su
 - tree_attention: a kv head's query rows 16 at a time, scores, fp32 softmax and values in one pass.
 - tiles_linear (with AMX): 1-64 rows on AMX tiles, a bias optional, the weights packed (pack_tiles)
   so that each thread streams one run of B tiles; as fast for a token as inductor's one-row kernel
-  and oneDNN, and a tree's rows cost within 6-9% of one row (docs/speed.md).
+  and oneDNN, and a tree's rows cost little more than one row.
 - tiles_glu (with AMX): a SwiGLU's gate and up projections and silu(gate) * up in one op (pack_glu).
 - rows_attention (with AMX): tree_attention's job on AMX tiles, over the tree mask gathered into the
-  cache slots (Transformer.tree_sdpa), with the RoPE and cache writes before it.
+  cache slots (TileTransformer), with the RoPE and cache writes before it.
 - argmax (both): the greedy token of each row (trees.argmax), each thread over the columns that its
   core's lm_head wrote.
 
 On AVX2 without AVX-512 (AMD Zen 3) there is no bf16 arithmetic: inductor's bf16 GEMM widens the
-weights to fp32 for every few rows and oneDNN's runs at about 15 GFLOP/s, so a tree's 16 rows cost
-7x one row there (docs/speed.md). cpu_kernels_avx2.cpp's rows_linear, for every row count: the
-weights packed once (pack_avx2) so that one 32-byte load and two unpacks give 16 columns in fp32,
-each meeting up to 6 rows from registers with FMAs, prefetched 2 KB ahead; 1 row streams the
-weights at about 35 GB/s (inductor's one-row GEMM 22-24) and 4 rows cost about what 1 costs.
-Its rows_glu: rows_linear's loop over w1 and w3 packed together (pack_glu_avx2), silu(gate) * up in
-one call, as tiles_glu. Its tree_attention: 8 of a kv head's query rows a task (the lanes), the keys and values widened to
-fp32 once, scores and weighted values by FMAs; model.tree_attention's torch ops took about 100 us a
-layer there for 5 rows (two aten bmm calls and three loop nests), this 45 (128-192 slots, compiled).
+weights to fp32 for every few rows and oneDNN's is bound by arithmetic, so a tree's rows cost many
+times one row there. cpu_kernels_avx2.cpp's rows_linear, for every row count: the weights packed once
+(pack_avx2) so that one 32-byte load and two unpacks give 16 columns in fp32, each meeting up to 6
+rows from registers with FMAs, prefetched 2 KB ahead; 1 row streams the weights faster than
+inductor's one-row GEMM and 4 rows cost about what 1 costs. Its rows_glu: rows_linear's loop over w1
+and w3 packed together (pack_glu_avx2), silu(gate) * up in one call, as tiles_glu. Its
+tree_attention: 8 of a kv head's query rows a task (the lanes), the keys and values widened to fp32
+once, scores and weighted values by FMAs, in half the time of model.tree_attention's torch ops.
 
 Each output element sums in the same order whatever the number of rows, so a row gets the same
 result in a tree step as alone. Ops (treespec::...) so that torch.compile calls them as they are,
 written in cpu_kernels.cpp or cpu_kernels_avx2.cpp (cpu_kernels.h: what the two share) and built
 with the C++ compiler that inductor needs anyway, once per machine (torch caches the build in
 the project's cache folder, kernels/, BUILD_DIR); where that fails the step keeps torch's kernels."""
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,12 +45,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import CACHE_DIR
-from model import Attention, FeedForward, KVCache, tree_attention
+from model import Attention, FeedForward, KVCache, Transformer, tree_attention
 
 
-# the row counts given to rows_linear (a static shape, so chosen when traced): compiled base forward
-# after a 512-token prefix, Zen 4, each against torch's kernels in the same process (docs/speed.md)
+# the row counts given to rows_linear (a static shape, so chosen when traced), where it beat torch's
+# kernels in a compiled base forward (docs/speed.md)
 MIN_ROWS, MAX_ROWS = 8, 16
 
 
@@ -74,7 +72,9 @@ def wanted_tiles(device, dtype) -> bool:
 
 
 _built = None  # the ops that build() loaded (empty where it failed); None before it ran
-BUILD_DIR = CACHE_DIR / "kernels"  # (fixed at import: a test's own cache folder would build them again)
+# the project's cache folder (checkpoint.CACHE_DIR), fixed at import: a test's own cache folder would build them again
+BUILD_DIR = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec")) / "kernels"
+CPU_BF16 = torch.cpu._is_avx512_bf16_supported()  # bf16 arithmetic (AVX-512 bf16); read once: dynamo skips it
 
 
 def has(op: str) -> bool:
@@ -219,21 +219,41 @@ class WideFeedForward(FeedForward):
         return super().forward(x)
 
 
-class RowsAttention(Attention):
+class CpuAttention(Attention):
+    """Attention on any CPU, in any dtype, in torch ops that suit a CPU: a new token's attention
+    written out when compiled (inductor makes it one fused loop nest, where SDPA's CPU kernel costs
+    about 0.1 ms a call, mostly its setup), and a tree's attention weights meeting bf16 values in
+    fp32 where the CPU has no bf16 arithmetic (aten's bf16 bmm runs tens of times slower there)."""
+
+    def token_attention(self, q, k, v, k_new, v_new, mask, cache_pos):
+        if not torch.compiler.is_compiling():
+            return super().token_attention(q, k, v, k_new, v_new, mask, cache_pos)
+        B, G = q.shape[0], self.n_head // self.n_kv_head
+        q = q.reshape(B, self.n_kv_head, G, self.head_dim)
+        mask = mask.expand(-1, -1, G, -1)                                    # [B or 1, 1, G, L]
+        s = (q.float()[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * self.head_dim ** -0.5
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)                # [B, H_kv, G, L]
+        y = (p[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
+        return y.view(B, self.n_head, 1, self.head_dim).transpose(1, 2).reshape(B, 1, -1)
+
+    def tree_attention(self, q, k, v, k_new, v_new, prefix, tree_mask):
+        pv = torch.float32 if not CPU_BF16 else None
+        return tree_attention(q, k, v, k_new, v_new, prefix, tree_mask, pv)
+
+
+class RowsAttention(CpuAttention):
     """Attention whose bf16 tree attention is the tree_attention kernel."""
 
     def tree_attention(self, q, k, v, k_new, v_new, prefix, tree_mask):
         if q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128):
             return torch.ops.treespec.tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
-        return tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
+        return super().tree_attention(q, k, v, k_new, v_new, prefix, tree_mask)
 
 
 class WideAttention(RowsAttention):
     """RowsAttention on AVX2, where a new token's attention is the tree kernel too: the token as a
     one-node tree after the slots its mask allows before it, so that the one-token step gets, bit for
-    bit, what its row gets in a tree step (Spec-Bench, EAGLE + lookup, bf16: 8 of 26 outputs the same
-    as autoregressive decoding's, 5 with inductor's fused loops). As fast: the compiled AR step side
-    by side, 0.94-1.03x at 64-256 slots, 0.93-1.16x at 512-1,344 (Zen 3, two runs)."""
+    bit, what its row gets in a tree step, and as fast as inductor's fused loop (docs/speed.md)."""
 
     def token_attention(self, q, k, v, k_new, v_new, mask, cache_pos):
         L = mask.shape[-1]
@@ -248,13 +268,28 @@ class WideAttention(RowsAttention):
 MAX_TILE_ROWS = 64  # a tree's rows; prefill's many stay SDPA's
 
 
-class TileAttention(Attention):
+class TileTransformer(Transformer):
+    """Transformer whose tree steps attend through SDPA's path (TileAttention's rows_attention): with
+    AMX, a tree's rows over the tree mask gathered into the cache slots cost less than tree_attention's
+    bmm calls. The gather is done once a forward, not once a layer."""
+
+    def forward(self, idx, input_pos, mask=None, cache_pos=None, return_hidden=False, tree_mask=None):
+        if tree_mask is not None:  # the tree's rows sit at cache_pos
+            T, L = tree_mask.shape[0], mask.shape[-1]
+            mask = mask | torch.zeros(T, L, dtype=torch.bool, device=idx.device).index_copy_(1, cache_pos, tree_mask)
+        return super().forward(idx, input_pos, mask, cache_pos, return_hidden)
+
+
+class TileAttention(CpuAttention):
     """Attention whose bf16 attention of a tree's rows (up to MAX_TILE_ROWS, head_dim 64, one mask
     for the batch, a KVCache) is the rows_attention kernel on AMX tiles, RoPE and the cache writes in it.
     A new token's too, as a one-row tree: the AR step then gets, bit for bit, what its row gets in a
-    tree step, and is faster than inductor's fused loop (compiled AR step, side by side in one
-    process, Xeon 207: 0.975x at 64 slots, 0.965x at 300, 0.944x at 700)."""
-    token_rows = True
+    tree step, and is faster than inductor's fused loop (docs/speed.md)."""
+
+    def forward(self, x, freqs_cis, mask, cache_pos, tree_mask=None):
+        if tree_mask is None:  # (TileTransformer gathers a tree's mask into the slots)
+            return self.wo(self.rows_attention(self.wqkv(x), freqs_cis, mask, cache_pos))
+        return super().forward(x, freqs_cis, mask, cache_pos, tree_mask)
 
     def rows_attention(self, qkv, freqs_cis, mask, cache_pos):
         T = qkv.shape[1]
@@ -293,11 +328,16 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
     multiples of 32) become TileFeedForwards, its other nn.Linears (N and K multiples of 32, with or
     without a bias) TileLinears and its Attentions TileAttentions; on AVX2 its FeedForwards (bias-free,
     N a multiple of 16) WideFeedForwards, its other nn.Linears (N a multiple of 32, with or without a
-    bias) WideLinears and its Attentions WideAttentions. Returns model."""
+    bias) WideLinears and its Attentions WideAttentions. On any CPU the Attentions left become
+    CpuAttentions. Returns model."""
+    if torch.device(device).type != "cpu":
+        return model
     if wanted_tiles(device, dtype) and build():
         glu = swap_glu(model, dtype, TileFeedForward, pack_glu, lambda N, K: N % 32 == 0 and K % 32 == 0)
         for m in model.modules():
-            if type(m) is Attention:
+            if type(m) is Transformer:
+                m.__class__ = TileTransformer
+            elif type(m) is Attention:
                 m.__class__ = TileAttention
             elif m not in glu and (type(m) is nn.Linear and m.weight.dtype == dtype and (m.bias is None or m.bias.dtype == dtype)
                   and m.weight.shape[0] % 32 == 0 and m.weight.shape[1] % 32 == 0):
@@ -320,4 +360,7 @@ def install(model: nn.Module, device, dtype) -> nn.Module:
                   and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 2 == 0):
                 m.register_buffer("packed", pack(m.weight), persistent=False)
                 m.__class__ = RowsLinear
+    for m in model.modules():
+        if type(m) is Attention:
+            m.__class__ = CpuAttention
     return model

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import DEFAULT_NAME, load_model
-from generate import check_device, compile_step
+from checkpoint import DEFAULT_NAME
+from generate import check_device, load_model
+from speculate import compile_step
 from trees import logits_to_probs, sample
 
 ROOT = Path(__file__).resolve().parent
@@ -262,8 +263,8 @@ def make_tasks(args):
 
 def pick(logits, temperature, top_k: int = 0, top_p: float = 1.0):
     """logits: [B, V] -> tokens [B]. temperature (0: greedy): a float, or under compile a float tensor []
-    so that sampled user turns and greedy answers share one graph (eager, sampling costs as much as
-    48 ms a step at batch 16, greedy 2 ms: only the float skips it)."""
+    so that sampled user turns and greedy answers share one graph (eager, sampling costs many times what
+    greedy does: only the float skips it)."""
     if not isinstance(temperature, torch.Tensor):
         return logits.argmax(-1) if temperature == 0 else sample(logits_to_probs(logits, temperature, top_k, top_p))
     probs = logits_to_probs(logits / temperature.clamp(min=1e-4), 1.0, top_k, top_p)
@@ -331,6 +332,53 @@ def read_openers(path) -> list:
     return openers
 
 
+def resume_data(out: Path, meta: dict) -> tuple:
+    """(sequences, prompt lengths, sources) already in out, which must have been made alike; empty lists
+    where there is no such file."""
+    if not out.exists():
+        return [], [], []
+    seqs, plens, sources, old = read_data(out)
+    for key in ("base_model", "vocab_size", "prompts", "temperature"):
+        if old.get(key) != meta[key]:
+            raise ValueError(f"{out} was made with {key} {old.get(key)!r}, not {meta[key]!r}: "
+                             "give another --out to start a new file")
+    return list(seqs), list(plens), list(sources)
+
+
+def given_prompts(texts: list, sources: list, tokenizer, max_prompt_tokens: int) -> tuple:
+    """([(source index, prompt ids)] of the texts not answered yet, how many were too long)."""
+    todo, skipped, used = [], 0, set(sources)
+    for i, text in enumerate(texts):
+        if i in used:
+            continue
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        todo.append((i, ids))
+    return todo, skipped
+
+
+def invent_prompts(model, step, tokenizer, args, openers, seen: set) -> tuple:
+    """The model writes a batch of user turns at --prompt_temperature (each from a random opener, with
+    --openers); each new one becomes a chat prompt. Returns ([(-1, prompt ids)], tokens written)."""
+    B = args.batch_size
+    prefix, user_stop = user_turn(tokenizer)
+    starts = [[]] * B
+    if openers:
+        starts = [tokenizer.encode(openers[i], bos=False) for i in torch.randint(len(openers), (B,)).tolist()]
+    rows = generate_batch(model, step, [prefix + s for s in starts], args.max_user_tokens, user_stop,
+                          args.prompt_temperature, 0, args.top_p)
+    fresh = []
+    for s, r in zip(starts, rows):
+        text = tokenizer.decode(s + [t for t in r if t not in user_stop]).strip()
+        ids = encode_prompt(tokenizer, text) if text else None
+        if ids and len(ids) <= args.max_prompt_tokens and tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            fresh.append((-1, ids))
+    return fresh, sum(map(len, rows))
+
+
 def make_data(args):
     device = check_device(args.device)
     if args.openers and args.prompts:
@@ -344,14 +392,7 @@ def make_data(args):
             "temperature": args.temperature, "prompt_temperature": args.prompt_temperature, "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
     out = Path(args.out)
-    seqs, plens, sources = [], [], []
-    if out.exists():  # resume: append to what is there
-        seqs, plens, sources, old = read_data(out)
-        for key in ("base_model", "vocab_size", "prompts", "temperature"):
-            if old.get(key) != meta[key]:
-                raise ValueError(f"{out} was made with {key} {old.get(key)!r}, not {meta[key]!r}: "
-                                 "give another --out to start a new file")
-        seqs, plens, sources = list(seqs), list(plens), list(sources)
+    seqs, plens, sources = resume_data(out, meta)  # resume: append to what is there
     have = sum(len(s) - p for s, p in zip(seqs, plens))  # answer tokens: what the heads learn to predict
     if have >= args.tokens:
         print(f"{out} already holds {have} answer tokens (>= --tokens {args.tokens})", file=sys.stderr)
@@ -369,36 +410,9 @@ def make_data(args):
     seen = {tuple(np.asarray(s[:p]).tolist()) for s, p in zip(seqs, plens)}  # no prompt twice
     todo, skipped = [], 0
     if prompt_texts is not None:
-        used = set(sources)
-        for i, text in enumerate(prompt_texts):
-            if i in used:
-                continue
-            ids = encode_prompt(tokenizer, text)
-            if len(ids) > args.max_prompt_tokens:
-                skipped += 1
-                continue
-            todo.append((i, ids))
-    else:
-        prefix, user_stop = user_turn(tokenizer)
-        if len(prefix) + args.max_user_tokens > model.max_seq_len:
-            raise ValueError("--max_user_tokens does not fit: raise --max_prompt_tokens")
-
-    def invent():
-        # the model writes B user turns at --prompt_temperature (each from a random opener, with
-        # --openers), then each becomes a chat prompt
-        starts = [[]] * B
-        if openers:
-            starts = [tokenizer.encode(openers[i], bos=False) for i in torch.randint(len(openers), (B,)).tolist()]
-        rows = generate_batch(model, step, [prefix + s for s in starts], args.max_user_tokens, user_stop,
-                              args.prompt_temperature, 0, args.top_p)
-        fresh = []
-        for s, r in zip(starts, rows):
-            text = tokenizer.decode(s + [t for t in r if t not in user_stop]).strip()
-            ids = encode_prompt(tokenizer, text) if text else None
-            if ids and len(ids) <= args.max_prompt_tokens and tuple(ids) not in seen:
-                seen.add(tuple(ids))
-                fresh.append((-1, ids))
-        return fresh, sum(map(len, rows))
+        todo, skipped = given_prompts(prompt_texts, sources, tokenizer, args.max_prompt_tokens)
+    elif len(user_turn(tokenizer)[0]) + args.max_user_tokens > model.max_seq_len:
+        raise ValueError("--max_user_tokens does not fit: raise --max_prompt_tokens")
 
     bar = tqdm(total=args.tokens, initial=have, unit="tok", desc=f"data -> {out}", dynamic_ncols=True)
     t0, made, user_tokens, stale = time.perf_counter(), 0, 0, 0
@@ -412,7 +426,7 @@ def make_data(args):
                     batch, todo = todo[:B], todo[B:]
                 else:
                     while len(todo) < B:
-                        fresh, n = invent()
+                        fresh, n = invent_prompts(model, step, tokenizer, args, openers, seen)
                         user_tokens += n
                         stale = 0 if fresh else stale + 1
                         if stale >= 20:

@@ -14,9 +14,7 @@ Every head answers the decode loop the same way, so the loop never asks which on
       and starts its context tokens (a draft vocab's, below).
 draft_static / draft_dynamic below turn those into a token tree with static shapes.
 """
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -24,13 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import cpu_kernels
 from model import Block, KVCache, ModelArgs, RMSNorm, precompute_freqs_cis
 from trees import Tree, dynamic_select, split_chain, top_indices, tree_buffers
-
-
-class HeadError(ValueError):
-    pass
 
 
 def last_row(x: Tensor, n: Tensor) -> Tensor:
@@ -41,8 +34,7 @@ def last_row(x: Tensor, n: Tensor) -> Tensor:
 # A draft vocabulary (FR-Spec, EAGLE-3): a head's logits cover only V' frequent tokens, since on a
 # small model the lm_head is most of a draft step. Verification stays over the full vocabulary.
 # The frequent tokens of the training text miss the rare ones that an answer copies from its prompt
-# (names, numbers, code identifiers: 8-22% of the tokens of Spec-Bench's prompts fall outside the
-# 8,192 of the shipped heads), so a head that shares the base's lm_head also drafts over the
+# (names, numbers, code identifiers; docs/speed.md), so a head that shares the base's lm_head also drafts over the
 # context's tokens outside its vocab: up to CTX of them, added as they appear (prompt, then
 # accepted tokens); their logits come from the base's lm_head rows like the others'.
 CTX = 512
@@ -65,47 +57,62 @@ def set_draft_vocab(head, base, d2t: Tensor):
     return head
 
 
-def note_context(head, base, tokens: Tensor, valid: Optional[Tensor] = None, reset: bool = False):
-    """Adds the tokens [T] (where valid [T]) outside the draft vocab to the context's tokens; reset:
-    a new prompt. Static shapes, no host sync (it runs inside the compiled step)."""
-    if getattr(head, "ctx_ids", None) is None:
-        return
-    if reset:
-        head.known.copy_(head.in_draft)
-        head.ctx_n.zero_()
-    V, T = head.known.shape[0] - 1, tokens.shape[0]
-    if T <= 64:  # a step's few tokens, pairwise, which inductor fuses (a sort and a cumsum: aten calls, 60 us a step)
-        upto = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()    # [i, j]: j <= i
-        first = ~((tokens[:, None] == tokens[None, :]) & upto.tril(-1)).any(1) & (tokens >= 0)
-    else:  # a prompt's first occurrences: O(T log T), no [V] buffer
-        s, order = tokens.sort(stable=True)
-        first = torch.empty_like(tokens, dtype=torch.bool).scatter_(0, order, torch.cat([s[:1] >= 0, s[1:] != s[:-1]]))
-    new = ~head.known[tokens] & first & (True if valid is None else valid)
-    slot = head.ctx_n + ((new[None, :] & upto).sum(1) if T <= 64 else new.cumsum(0)) - 1
-    new &= slot < CTX
-    slot = torch.where(new, slot, CTX)                            # the rest go to the sinks
-    head.ctx_ids.index_copy_(0, slot, tokens)
-    head.ctx_w.index_copy_(0, slot, base.output.weight[tokens])
-    head.known.index_fill_(0, torch.where(new, tokens, V), True)
-    head.ctx_n.add_(new.sum())
+class Drafter(nn.Module):
+    """What every drafter answers besides begin, expand and prefill (module docstring), so that the
+    drafting loops and the tuner never ask which one they have: how deep it drafts, whether its
+    expand attends its own cache, its prompt-lookup branch, and its draft vocabulary (set_draft_vocab)."""
+    needs_attn = False  # expand attends the head's own cache over the tree's nodes (EAGLE: draft_attn)
+    max_depth = None    # the deepest tree level it drafts (Medusa's and Hydra's heads); None: any
+    lookup = 0          # the n-gram length of its prompt-lookup branch (WithLookup); 0: none
 
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("d2t", None, persistent=False)  # the draft vocab's token ids (set_draft_vocab)
 
-def shared_logits(head, base, x: Tensor) -> Tensor:
-    # the base's lm_head, restricted to the draft vocab and the context's tokens when the head has one
-    if getattr(head, "d2t", None) is None:
-        return base.output(x)
-    # ctx_w changes every step, so it is no frozen constant that a GEMM kernel prepacks: as a matmul
-    # it went to oneDNN, which packed its 590 KB again each call (132 us on the Xeon 167, three a step);
-    # a multiply and sum streams it once
-    ctx = (x[..., None, :].float() * head.ctx_w[:CTX].float()).sum(-1).to(x.dtype)
-    ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= head.ctx_n, float("-inf"))
-    return torch.cat([head.draft_lm(x), ctx], -1)  # [*, V' + CTX] (int8 heads: the rows in int8)
+    def setup_caches(self, max_seq_len: int):
+        pass
 
+    def chain(self, base, h, next_tokens, n, P, depth: int, L=None):
+        """The prompt-lookup branch's proposal, [depth] tokens (WithLookup)."""
+        raise ValueError("the tree names a prompt-lookup chain: give --lookup N")
 
-def token_ids(head, idx: Tensor) -> Tensor:
-    # indices into a head's logits -> token ids
-    d2t = getattr(head, "d2t", None)
-    return idx if d2t is None else torch.cat([d2t, head.ctx_ids[:CTX]])[idx]
+    def note_context(self, base, tokens: Tensor, valid: Optional[Tensor] = None, reset: bool = False):
+        """Adds the tokens [T] (where valid [T]) outside the draft vocab to the context's tokens; reset:
+        a new prompt. Static shapes, no host sync (it runs inside the compiled step)."""
+        if self.d2t is None:
+            return
+        if reset:
+            self.known.copy_(self.in_draft)
+            self.ctx_n.zero_()
+        V, T = self.known.shape[0] - 1, tokens.shape[0]
+        if T <= 64:  # a step's few tokens, pairwise, which inductor fuses (a sort and a cumsum are aten calls)
+            upto = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()    # [i, j]: j <= i
+            first = ~((tokens[:, None] == tokens[None, :]) & upto.tril(-1)).any(1) & (tokens >= 0)
+        else:  # a prompt's first occurrences: O(T log T), no [V] buffer
+            s, order = tokens.sort(stable=True)
+            first = torch.empty_like(tokens, dtype=torch.bool).scatter_(0, order, torch.cat([s[:1] >= 0, s[1:] != s[:-1]]))
+        new = ~self.known[tokens] & first & (True if valid is None else valid)
+        slot = self.ctx_n + ((new[None, :] & upto).sum(1) if T <= 64 else new.cumsum(0)) - 1
+        new &= slot < CTX
+        slot = torch.where(new, slot, CTX)                            # the rest go to the sinks
+        self.ctx_ids.index_copy_(0, slot, tokens)
+        self.ctx_w.index_copy_(0, slot, base.output.weight[tokens])
+        self.known.index_fill_(0, torch.where(new, tokens, V), True)
+        self.ctx_n.add_(new.sum())
+
+    def shared_logits(self, base, x: Tensor) -> Tensor:
+        """The base's lm_head over x, restricted to the draft vocab and the context's tokens where it has one."""
+        if self.d2t is None:
+            return base.output(x)
+        # ctx_w changes every step, so it is no frozen constant that a GEMM kernel prepacks: a multiply
+        # and sum streams it once, where a matmul packed it again each call
+        ctx = (x[..., None, :].float() * self.ctx_w[:CTX].float()).sum(-1).to(x.dtype)
+        ctx = ctx.masked_fill(torch.arange(CTX, device=x.device) >= self.ctx_n, float("-inf"))
+        return torch.cat([self.draft_lm(x), ctx], -1)  # [*, V' + CTX] (int8 heads: the rows in int8)
+
+    def token_ids(self, idx: Tensor) -> Tensor:
+        """Indices into the head's logits -> token ids."""
+        return idx if self.d2t is None else torch.cat([self.d2t, self.ctx_ids[:CTX]])[idx]
 
 
 # ---------------------------------------------------------------- Medusa
@@ -120,10 +127,9 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class Medusa(nn.Module):
+class Medusa(Drafter):
     """Medusa-1: head k = ResBlock^L then its own Linear(dim, vocab) (or the base lm_head when
     lm_head=False, as MLC-LLM shares it); head k predicts the token k+1 steps past the root."""
-    needs_attn = False
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1, lm_head: bool = True):
         super().__init__()
@@ -134,15 +140,16 @@ class Medusa(nn.Module):
             for _ in range(num_heads))
         self.lm_head = lm_head
 
-    def setup_caches(self, max_seq_len: int):
-        pass
+    @property
+    def max_depth(self) -> int:
+        return self.num_heads
 
     def prefill(self, base, h, next_tokens):
-        note_context(self, base, next_tokens, reset=True)
+        self.note_context(base, next_tokens, reset=True)
 
     def head_logits(self, base, k: int, x: Tensor) -> Tensor:
         y = self.medusa_head[k](x)
-        return y if self.lm_head else shared_logits(self, base, y)
+        return y if self.lm_head else self.shared_logits(base, y)
 
     def begin(self, base, h, next_tokens, n, P, L=None):
         x = last_row(h, n)
@@ -182,7 +189,7 @@ class CachedLayer(nn.Module):
         return self(x, pos, pos, mask)
 
 
-class Eagle(nn.Module):
+class Eagle(Drafter):
     """EAGLE-1/2 draft model: fc(cat(embed(token), feature)) then one Llama decoder layer (input
     norm skipped) with its own KV cache; logits through the base model's lm_head. Row t of its cache
     holds (feature_t, token_{t+1}); its output at t is the predicted feature_{t+1}."""
@@ -207,17 +214,17 @@ class Eagle(nn.Module):
 
     def prefill(self, base, h, next_tokens):
         # the prompt's rows but the last, which the first step's begin() writes
-        note_context(self, base, next_tokens, reset=True)
+        self.note_context(base, next_tokens, reset=True)
         self.layer.catch_up(self.rows(base, h[:-1], next_tokens[:-1]), torch.zeros((), dtype=torch.long))
 
     def begin(self, base, h, next_tokens, n, P, L=None):
         out = self.layer.catch_up(self.rows(base, h, next_tokens), P - n, L)
         x = last_row(out, n)
-        return shared_logits(self, base, x), x
+        return self.shared_logits(base, x), x
 
     def expand(self, base, depth, parent_state, tokens, attn):
         out = self.layer(self.rows(base, parent_state, tokens), *attn)
-        return shared_logits(self, base, out), out
+        return self.shared_logits(base, out), out
 
 
 # ---------------------------------------------------------------- Hydra
@@ -236,12 +243,12 @@ class HydraBlock(nn.Module):
         return self.res_connection(x) + F.silu(self.linear(x))
 
 
-class Hydra(nn.Module):
+class Hydra(Drafter):
     """Hydra: sequentially dependent heads; head i reads the hidden state and the embeddings of
     the root and the i tokens drafted before it (grounded). Hydra++ (prefix=True) first runs one
     extra decoder layer (and final norm) over the base hidden states, with its own KV cache.
     lm_head=False: the heads share the base's lm_head (as MLC-LLM's Medusa does), a fraction of the size."""
-    needs_attn = False  # its prefix layer runs over accepted rows only, never over tree nodes
+    # (needs_attn False: its prefix layer runs over accepted rows only, never over tree nodes)
 
     def __init__(self, dim: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  grounded: bool = True, prefix_args: Optional[ModelArgs] = None, dropout: float = 0.0,
@@ -258,12 +265,16 @@ class Hydra(nn.Module):
         self.prefix = CachedLayer(prefix_args) if prefix_args else None
         self.prefix_norm = RMSNorm(dim, prefix_args.norm_eps) if prefix_args else None
 
+    @property
+    def max_depth(self) -> int:
+        return self.num_heads
+
     def setup_caches(self, max_seq_len: int):
         if self.prefix:
             self.prefix.setup_caches(max_seq_len)
 
     def prefill(self, base, h, next_tokens):
-        note_context(self, base, next_tokens, reset=True)
+        self.note_context(base, next_tokens, reset=True)
         if self.prefix:
             self.prefix.catch_up(h[:-1].to(self.prefix_norm.weight.dtype), torch.zeros((), dtype=torch.long))
 
@@ -277,20 +288,19 @@ class Hydra(nn.Module):
         x = torch.cat([parent_state, base.tok_embeddings(tokens).to(parent_state.dtype)], -1) \
             if self.grounded else parent_state
         y = self.hydra_mlp[depth](x)
-        return (self.hydra_lm_head[depth](y) if self.hydra_lm_head is not None else shared_logits(self, base, y)), x
+        return (self.hydra_lm_head[depth](y) if self.hydra_lm_head is not None else self.shared_logits(base, y)), x
 
 
 # ---------------------------------------------------------------- context n-gram (prompt lookup)
 
-class NGram(nn.Module):
+class NGram(Drafter):
     """Prompt lookup, the baseline every trained head must beat: no weights; match the last g
     tokens (g = n, n-1, ..., 1, the longest that matches) earlier in the context and propose what
     followed the latest match. One branch only, so use it with a chain tree (chain4)."""
-    needs_attn = False
 
     def __init__(self, vocab_size: int, n: int = 3, max_depth: int = 16):
         super().__init__()
-        self.vocab_size, self.n, self.num_heads = vocab_size, n, max_depth
+        self.vocab_size, self.n, self.max_depth = vocab_size, n, max_depth
         self.register_buffer("ids", torch.zeros(0, dtype=torch.long), persistent=False)  # .to(device) moves it
 
     def setup_caches(self, max_seq_len: int):
@@ -311,7 +321,7 @@ class NGram(nn.Module):
             hit = (windows == key).all(-1) & (s + g <= P) & (P - g + 1 >= 0)
             start = torch.where(hit.any(), torch.where(hit, s + g, -1).max(), start)
         # (torch.minimum, not clamp(0, P): torch 2.11's compiler read a tensor bound of clamp on the host)
-        cont = self.ids[torch.minimum((start + torch.arange(self.num_heads, device=P.device)).clamp(min=0), P)]
+        cont = self.ids[torch.minimum((start + torch.arange(self.max_depth, device=P.device)).clamp(min=0), P)]
         cont = torch.where(start >= 0, cont, -1)[None]                                    # -1: no proposal
         return self.expand(base, 0, cont, None, None)
 
@@ -321,15 +331,19 @@ class NGram(nn.Module):
         return (vocab == state[0, depth]).float()[None], state      # all zeros when there is no proposal (-1)
 
 
-class WithLookup(nn.Module):
+class WithLookup(Drafter):
     """A head plus prompt lookup: its tree (static or dynamic) gets one more branch from the root, a
-    chain as deep as the tree whose tokens are the NGram drafter's proposal. The head never expands
-    that branch, so it costs only its verification (depth more tree nodes); where the context repeats
-    itself (the default model's answers often do), the chain wins."""
+    chain as deep as the tree whose tokens are the NGram drafter's proposal (chain). The head never
+    expands that branch, so it costs only its verification (depth more tree nodes); where the context
+    repeats itself (the default model's answers often do), the chain wins. Everything else is the head's."""
 
-    def __init__(self, head, ngram: NGram):
+    def __init__(self, head: Drafter, ngram: NGram):
         super().__init__()
-        self.head, self.ngram = head, ngram
+        self.head, self.ngram, self.lookup = head, ngram, ngram.n
+
+    needs_attn = property(lambda self: self.head.needs_attn)
+    max_depth = property(lambda self: self.head.max_depth)
+    cache_len = property(lambda self: self.head.cache_len)
 
     def setup_caches(self, max_seq_len: int):
         self.head.setup_caches(max_seq_len)
@@ -338,6 +352,22 @@ class WithLookup(nn.Module):
     def prefill(self, base, h, next_tokens):
         self.head.prefill(base, h, next_tokens)
         self.ngram.prefill(base, h, next_tokens)
+
+    def chain(self, base, h, next_tokens, n, P, depth: int, L=None):
+        # where there is no proposal, token 0: harmless, verification checks every token
+        return self.ngram.begin(base, h, next_tokens, n, P, L)[1][0, :depth].clamp(min=0)
+
+    def begin(self, base, h, next_tokens, n, P, L=None):
+        return self.head.begin(base, h, next_tokens, n, P, L)
+
+    def expand(self, base, depth, parent_state, tokens, attn):
+        return self.head.expand(base, depth, parent_state, tokens, attn)
+
+    def note_context(self, base, tokens, valid=None, reset=False):
+        self.head.note_context(base, tokens, valid, reset)
+
+    def token_ids(self, idx):
+        return self.head.token_ids(idx)
 
 
 # ---------------------------------------------------------------- drafting a tree
@@ -410,11 +440,6 @@ def draft_attn(head, P, n, depth: int, D: int, nodes: Tensor, anc: Tensor, L=Non
     return (P + depth - 1).expand(nodes.shape[0]), S0 + nodes, mask
 
 
-def lookup_chain(head, base, h, next_tokens, n, P, depth: int, L=None):
-    # WithLookup's proposal, [depth]; where there is none, token 0: harmless, verification checks every token
-    return head.ngram.begin(base, h, next_tokens, n, P, L)[1][0, :depth].clamp(min=0)
-
-
 def head_slots(L, D: int, M: int):
     """The head's cache slots a step touches when verification attends the base's first L: the
     catch-up's D+1 rows from P-n < L, then M scratch slots (L + D + 1 + M is at most the head's cache,
@@ -429,15 +454,14 @@ def draft_static(head, base, plan: StaticPlan, h, next_tokens, n, P, L=None):
     L = head_slots(L, D, tree.num_nodes)
     root = last_row(next_tokens, n)                               # [1]
     if plan.lookup:
-        chain = lookup_chain(head, base, h, next_tokens, n, P, plan.lookup, L)  # [C]
-        head = head.head
-    note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
+        chain = head.chain(base, h, next_tokens, n, P, plan.lookup, L)  # [C]
+    head.note_context(base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
     logits, state = head.begin(base, h, next_tokens, n, P, L)    # [1, V], [1, *]
     out = [root]
     for d in range(1, depth + 1):
         top = top_indices(logits, plan.topk[d])                   # [rows or 1, topk]
         rows = plan.child_parent_row[d] if top.shape[0] > 1 else torch.zeros_like(plan.child_parent_row[d])
-        tokens = token_ids(head, top[rows, plan.child_choice[d]])  # [n_d]
+        tokens = head.token_ids(top[rows, plan.child_choice[d]])  # [n_d]
         out += [tokens, chain[d - 1:d]] if plan.lookup >= d else [tokens]
         if d < depth:
             nodes = plan.expand_nodes[d]
@@ -454,15 +478,14 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
     chain = None
     M = top_k + (depth - 1) * top_k * top_k
     L = head_slots(L, depth, M + 1)
-    if isinstance(head, WithLookup):
-        chain = lookup_chain(head, base, h, next_tokens, n, P, depth, L)  # [depth]
-        head = head.head
+    if head.lookup:
+        chain = head.chain(base, h, next_tokens, n, P, depth, L)  # [depth]
     root = last_row(next_tokens, n)
-    note_context(head, base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
+    head.note_context(base, next_tokens, torch.arange(next_tokens.shape[0], device=n.device) < n)
     logits, state = head.begin(base, h, next_tokens, n, P, L)
     logp = torch.log_softmax(logits.float(), -1)                 # [1, V]
     scores, tokens = logp[0].topk(top_k)                          # [k]
-    tokens = token_ids(head, tokens)
+    tokens = head.token_ids(tokens)
     dev = scores.device
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((top_k,), -1, device=dev)]
     ids = torch.arange(1, top_k + 1, device=dev)                  # frontier ids
@@ -473,7 +496,7 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         logits, st = head.expand(base, d, state, tokens, attn)   # [k or 1, V]
         cand = scores[:, None] + torch.log_softmax(logits.float(), -1)  # [k, V]
         cs, ct = cand.topk(top_k, dim=-1)                         # [k, k]
-        ct = token_ids(head, ct)
+        ct = head.token_ids(ct)
         start = top_k + (d - 1) * top_k * top_k                   # pool index of the first new node
         pool_scores.append(cs.flatten())
         pool_tokens.append(ct.flatten())
@@ -485,216 +508,3 @@ def draft_dynamic(head, base, h, next_tokens, n, P, top_k: int, depth: int, tota
         state = st[row]
     return dynamic_select(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens),
                           total_tokens, depth, root[0], chain)
-
-
-# ---------------------------------------------------------------- official checkpoint layouts
-
-MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-HYDRA_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
-EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def load_heads(path, base, head_type: Optional[str] = None, lookup: int = 0):
-    """A draft head from its official layout: a local folder or a hub id; with lookup=N, wrapped in
-    WithLookup with an N-gram prompt-lookup drafter.
-    Medusa: config.json (medusa_num_heads, medusa_num_layers) + medusa_lm_head.{pt,safetensors};
-    Hydra: config.json (hydra_num_heads, hydra_num_layers, hydra_head_arch mlp|prefix-mlp,
-    grounded_heads) + hydra_lm_head.{pt,safetensors}; EAGLE: a Llama-style config.json
-    (num_hidden_layers 1, bias) + pytorch_model.bin or model.safetensors.
-    Checks that the head fits `base` (hidden size, vocab) and casts it to the base's dtype."""
-    if str(path).startswith("ngram"):  # "ngram" or "ngram:N": the context n-gram drafter, no weights
-        if lookup:
-            raise HeadError("--lookup adds prompt lookup to a trained head; the n-gram drafter is prompt lookup already")
-        return NGram(base.args.vocab_size, int(str(path).partition(":")[2] or 3))
-    if lookup:
-        return WithLookup(load_heads(path, base, head_type), NGram(base.args.vocab_size, lookup))
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        if folder.exists() or str(path).count("/") != 1:
-            raise HeadError(f"heads {path} is not a folder: give a heads folder or a hub id")
-        folder = _download(str(path))
-    if not (folder / "config.json").exists():
-        raise HeadError(f"{folder} has no config.json: is it a Medusa, Hydra or EAGLE checkpoint?")
-    cfg = json.loads((folder / "config.json").read_text())
-    kind = head_type or ("medusa" if "medusa_num_heads" in cfg else "hydra" if "hydra_num_heads" in cfg else
-                         "eagle" if any((folder / f).exists() for f in EAGLE_FILES) else None)
-    if kind not in ("medusa", "hydra", "eagle"):
-        raise HeadError(f"cannot tell the head type of {folder}: pass --head_type medusa|hydra|eagle")
-    files = {"medusa": MEDUSA_FILES, "hydra": HYDRA_FILES, "eagle": EAGLE_FILES}[kind]
-    weights = next((folder / f for f in files if (folder / f).exists()), None)
-    if weights is None:
-        raise HeadError(f"{folder}: no {' or '.join(files)} for a {kind} head")
-    sd = _read(weights)
-    quant = cfg.get("quantization")  # quantize.py's int8 heads: their float values for the layout code
-    if quant:
-        from quantize import QuantizationError, dequantize_heads_state
-        try:
-            sd = dequantize_heads_state(sd, quant, folder)
-        except QuantizationError as e:
-            raise HeadError(str(e)) from None
-    dim, vocab = base.args.dim, base.args.vocab_size
-    d2t = _draft_vocab(sd, cfg, vocab, folder)
-    draft_vocab = vocab if d2t is None else len(d2t)  # the rows of a head's own lm_head
-    if kind == "medusa":
-        L, K = cfg.get("medusa_num_layers", 1), cfg["medusa_num_heads"]
-        K = min(K, 1 + max((int(k.split(".")[0]) for k in sd), default=-1))  # some configs over-count heads
-        head = Medusa(dim, draft_vocab, K, L, lm_head=f"0.{L}.weight" in sd)
-        head.medusa_head.load_state_dict(_fit(sd, head.medusa_head.state_dict(), folder, kind))
-    elif kind == "hydra":
-        arch = cfg.get("hydra_head_arch", "mlp")
-        if arch not in ("mlp", "prefix-mlp"):
-            raise HeadError(f"{folder}: hydra_head_arch {arch} is not supported (mlp or prefix-mlp)")
-        w = sd.get("hydra_mlp.0.1.linear.weight")
-        if w is not None and w.shape[0] != dim:
-            raise HeadError(f"{folder}: Hydra head is for hidden size {w.shape[0]}, the base model has {dim}: "
-                            "use heads trained for this base model")
-        prefix = None
-        if arch == "prefix-mlp":
-            prefix = ModelArgs(**{**base.args.to_dict(), "n_layer": 1})
-            sd.update(_hf_layer(sd, "prefix_embeding_layer.layers.0.", "prefix.block.", prefix))
-            sd["prefix_norm.weight"] = sd.pop("prefix_embeding_layer.norm.weight", None)
-            sd = {k: v for k, v in sd.items() if not k.startswith("prefix_embeding_layer.") and v is not None}
-        head = Hydra(dim, draft_vocab, cfg["hydra_num_heads"], cfg.get("hydra_num_layers", 1),
-                     cfg.get("grounded_heads", True), prefix, lm_head=any(k.startswith("hydra_lm_head.") for k in sd))
-        head.load_state_dict(_fit(sd, head.state_dict(), folder, kind))
-    else:
-        from checkpoint import hf_args
-        args = hf_args(cfg, folder, need_arch=False)
-        if args.dim != dim or args.vocab_size != vocab:
-            raise HeadError(f"{folder}: EAGLE head is for hidden size {args.dim} and vocab {args.vocab_size}, "
-                            f"the base model has {dim} and {vocab}: use heads trained for this base model")
-        head = Eagle(args, bias=cfg.get("bias", True))
-        sd = {k.removeprefix("model."): v for k, v in sd.items()}
-        ours = {"fc.weight": sd.get("fc.weight"), "fc.bias": sd.get("fc.bias")}
-        ours.update(_hf_layer(sd, "layers.0.", "layer.block.", args, input_norm=False))
-        head.load_state_dict(_fit({k: v for k, v in ours.items() if v is not None}, head.state_dict(), folder, kind))
-    dev, dtype = base.output.weight.device, base.output.weight.dtype
-    if quant:  # before the cast: quantized from the stored values, it holds the stored integers
-        from quantize import quantize_linears
-        quantize_linears(head, dev, dtype)
-    head = head.to(dtype).eval()
-    if d2t is not None:
-        set_draft_vocab(head, base, d2t)
-        if quant:  # (half the bytes a draft level reads)
-            from quantize import WeightOnlyInt8Linear, quantize_int8
-            head.draft_lm = WeightOnlyInt8Linear(*quantize_int8(head.draft_lm.weight), None, dev, dtype)
-    return cpu_kernels.install(head, dev, dtype)  # the base's kernels (on AMX: the rows' linears and attention on tiles)
-
-
-def _draft_vocab(sd: dict, cfg: dict, vocab: int, folder) -> Optional[Tensor]:
-    """Pops EAGLE-3's draft-vocab keys: d2t [V'] holds offsets (token id = draft id + d2t[draft id]),
-    t2d bool [V] marks the tokens in the draft vocab. Returns the token id of each draft id, or None."""
-    d2t = sd.pop("d2t", None)
-    sd.pop("t2d", None)
-    if d2t is None:
-        return None
-    ids = d2t.long() + torch.arange(len(d2t))
-    if ids.min() < 0 or ids.max() >= vocab or cfg.get("draft_vocab_size", len(ids)) != len(ids):
-        raise HeadError(f"{folder}: its draft vocab (d2t, draft_vocab_size {cfg.get('draft_vocab_size')}) does not "
-                        f"fit a vocab of {vocab}: use heads trained for this base model")
-    return ids
-
-
-def save_heads(head, folder, base_model: str = "", dtype: Optional[torch.dtype] = None):
-    """Writes a head in its official layout (safetensors), the inverse of load_heads; dtype: cast its
-    weights (bf16 halves the files)."""
-    from safetensors.torch import save_file
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous()
-          for k, v in head.state_dict().items()}
-    if isinstance(head, Medusa):
-        cfg = {"medusa_num_heads": head.num_heads, "medusa_num_layers": sum(isinstance(m, ResBlock) for m in head.medusa_head[0]),
-               "base_model_name_or_path": base_model}
-        out, name = {k.removeprefix("medusa_head."): v for k, v in sd.items()}, MEDUSA_FILES[0]
-    elif isinstance(head, Hydra):
-        cfg = {"hydra_num_heads": head.num_heads, "hydra_num_layers": len(head.hydra_mlp[0]) // 2,
-               "hydra_head_arch": "prefix-mlp" if head.prefix else "mlp", "grounded_heads": head.grounded,
-               "base_model_name_or_path": base_model}
-        out, name = {k: v for k, v in sd.items() if not k.startswith("prefix")}, HYDRA_FILES[0]
-        if head.prefix:
-            out.update(_ours_layer(sd, "prefix.block.", "prefix_embeding_layer.layers.0.", head.prefix.args))
-            out["prefix_embeding_layer.norm.weight"] = sd["prefix_norm.weight"]
-    else:
-        a = head.args
-        cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": a.dim, "num_hidden_layers": 1,
-               "num_attention_heads": a.n_head, "num_key_value_heads": a.n_kv_head, "head_dim": a.head_dim,
-               "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
-               "rope_theta": a.rope_base, "rope_scaling": a.rope_scaling, "max_position_embeddings": a.max_seq_len,
-               "bias": head.fc.bias is not None, "base_model_name_or_path": base_model}
-        out, name = {k: v for k, v in sd.items() if k.startswith("fc.")}, EAGLE_FILES[0]
-        out.update(_ours_layer(sd, "layer.block.", "layers.0.", a, input_norm=False))
-    d2t = getattr(head, "d2t", None)
-    if d2t is not None:  # EAGLE-3's key: offsets, token id = draft id + d2t[draft id]
-        out["d2t"] = (d2t - torch.arange(len(d2t), device=d2t.device)).cpu()
-        cfg["draft_vocab_size"] = len(d2t)
-    save_file(out, folder / name)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-
-
-def _hf_layer(sd, p, o, args, input_norm=True):
-    from checkpoint import hf_block
-
-    def get(k):
-        if k not in sd:
-            raise HeadError(f"weight {k} is missing from the head checkpoint")
-        return sd[k]
-    try:
-        return hf_block(get, p, o, args, input_norm)
-    except RuntimeError:  # a q/k weight that does not reshape into this model's heads
-        raise HeadError(f"{p} weights do not fit a layer of hidden size {args.dim} ({args.n_head} heads of "
-                        f"{args.head_dim}): use heads trained for this base model") from None
-
-
-def _ours_layer(sd, o, p, args, input_norm=True):
-    # our Block keys -> HF decoder layer keys (q/k rows back to rotate-half)
-    def half(w, n):
-        return w.view(n, args.head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
-
-    qs, ks = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
-    out = {}
-    for kind in ("weight", "bias"):
-        w = sd.get(o + f"attention.wqkv.{kind}")
-        if w is not None:
-            q, k, v = w.split([qs, ks, ks])
-            out.update({p + f"self_attn.q_proj.{kind}": half(q, args.n_head),
-                        p + f"self_attn.k_proj.{kind}": half(k, args.n_kv_head), p + f"self_attn.v_proj.{kind}": v})
-    out[p + "self_attn.o_proj.weight"] = sd[o + "attention.wo.weight"]
-    out[p + "mlp.gate_proj.weight"] = sd[o + "feed_forward.w1.weight"]
-    out[p + "mlp.up_proj.weight"] = sd[o + "feed_forward.w3.weight"]
-    out[p + "mlp.down_proj.weight"] = sd[o + "feed_forward.w2.weight"]
-    if input_norm:
-        out[p + "input_layernorm.weight"] = sd[o + "attention_norm.weight"]
-    out[p + "post_attention_layernorm.weight"] = sd[o + "ffn_norm.weight"]
-    return out
-
-
-def _fit(sd: dict, want: dict, folder, kind: str) -> dict:
-    """Checks names and shapes against the head built for this base model, with a clear message."""
-    missing = [k for k in want if k not in sd]
-    if missing:
-        raise HeadError(f"{folder}: {kind} weights missing {missing[:3]}: not a {kind} checkpoint of the official layout")
-    for k, w in want.items():
-        if sd[k].shape != w.shape:
-            raise HeadError(f"{folder}: {kind} weight {k} has shape {tuple(sd[k].shape)}, this base model needs "
-                            f"{tuple(w.shape)} (hidden size or vocab differ): use heads trained for this base model")
-    return {k: sd[k] for k in want}
-
-
-def _read(path: Path) -> dict:
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise HeadError(f"cannot read {path} ({type(e).__name__}): the file is truncated or corrupt") from None
-
-
-def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.pt", "*.bin", "*.safetensors"]))
-    except Exception as e:
-        raise HeadError(f"cannot fetch heads {repo_id} from the hub ({type(e).__name__}): "
-                        "check the id and the network, or give a local folder") from None

@@ -5,7 +5,7 @@ q/k projections are stored in the interleaved-pairs RoPE layout (as in Meta's an
 llama.cpp's checkpoints); the HF loader permutes rotate-half weights into it.
 """
 import math
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict
 from typing import Optional
 
 import torch
@@ -74,7 +74,6 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch = -1
         self.max_seq_len = -1
-        self.tree_sdpa = False
 
     def setup_caches(self, max_batch: int, max_seq_len: int):
         if max_seq_len > self.args.max_seq_len:
@@ -86,10 +85,6 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch, self.args.n_kv_head, max_seq_len,
                                                self.args.head_dim, dtype, device)
         self.register_buffer("freqs_cis", precompute_freqs_cis(self.args, max_seq_len, device), persistent=False)
-        # With AMX, SDPA's CPU kernel multiplies bf16 in AMX tiles: a tree's rows over the tree mask gathered
-        # into the cache slots cost 3.2 ms, against 5.0 for tree_attention's bmm calls (11 rows, 576 slots,
-        # 30 layers, compiled; Xeon family 6 model 167). Without AMX tree_attention is the faster (Zen 5).
-        self.tree_sdpa = device.type == "cpu" and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
 
     def compact(self, src: Tensor, dst: Tensor):
         """After a tree step: move the accepted path's cache slots src [K] to the contiguous slots dst [K]."""
@@ -105,18 +100,13 @@ class Transformer(nn.Module):
         mask: bool [T, L] or [B, 1, T, L], True = may attend to that slot; attention reads only the
         first L <= max_seq_len cache slots (default L = max_seq_len, causal on cache_pos).
         tree_mask: bool [T, T], for a tree's rows: then mask is [1, L], the prefix slots every row
-        sees, and row i sees row j of this call where tree_mask[i, j] (tree_attention; with
-        tree_sdpa, one SDPA call over tree_mask gathered into the cache slots).
+        sees, and row i sees row j of this call where tree_mask[i, j] (tree_attention).
         Returns logits [B, T, V], and with return_hidden also the last hidden states
         before and after the final norm, each [B, T, dim]."""
         if cache_pos is None:
             cache_pos = input_pos
         if mask is None:
             mask = torch.arange(self.max_seq_len, device=idx.device)[None, :] <= cache_pos[:, None]
-        if tree_mask is not None and self.tree_sdpa:  # the tree's rows sit at cache_pos: one SDPA call a layer
-            T, L = tree_mask.shape[0], mask.shape[-1]
-            mask = mask | torch.zeros(T, L, dtype=torch.bool, device=idx.device).index_copy_(1, cache_pos, tree_mask)
-            tree_mask = None
         if mask.dim() == 2:
             mask = mask[None, None]
         freqs_cis = self.freqs_cis[input_pos]
@@ -145,8 +135,6 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
-    token_rows = False  # a new token's attention is rows_attention's, as a tree row's (cpu_kernels.TileAttention)
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
@@ -159,8 +147,7 @@ class Attention(nn.Module):
                 tree_mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         qkv = self.wqkv(x)
-        # prefill, a tree's rows with tree_sdpa, EAGLE's draft rows; with token_rows also a new token
-        if tree_mask is None and (T > 1 or self.token_rows):
+        if tree_mask is None and T > 1:  # prefill, EAGLE's draft rows
             return self.wo(self.rows_attention(qkv, freqs_cis, mask, cache_pos))
         q, k, v, k_new, v_new = self.cached(qkv, freqs_cis, mask, cache_pos)
         if tree_mask is not None:
@@ -172,21 +159,14 @@ class Attention(nn.Module):
                         cache_pos: Tensor) -> Tensor:
         """One new token, q [B, H, 1, D], over the cache's span k, v [B, H_kv, L, D] (its own slot
         cache_pos written; k_new, v_new [B, H_kv, 1, D] its key and value) under mask [B or 1, 1, 1, L].
-        Returns [B, 1, H * D]. (cpu_kernels.WideAttention: the tree kernel, on AVX2)"""
+        Returns [B, 1, H * D]."""
         B, T = q.shape[0], 1
-        # One new token: the G query heads that share a kv head go in as one head of G rows; the CPU
-        # kernel otherwise multiplies one row at a time (per layer at batch 64, 768 slots: 81 -> 19 ms)
+        # One new token: the G query heads that share a kv head go in as one head of G rows, so that
+        # SDPA multiplies G rows at once rather than one row at a time
         G = self.n_head // self.n_kv_head
         q = q.reshape(B, self.n_kv_head, G, self.head_dim)
         mask = mask.expand(-1, -1, G, -1)                              # [B or 1, 1, G, L]
-        if torch.compiler.is_compiling() and q.device.type == "cpu":
-            # written out, inductor makes this one fused loop nest; SDPA's CPU kernel costs ~0.1 ms a call
-            # here, mostly its setup (30 layers, 512 slots, Zen 3: 1.9 ms against 2.7)
-            s = (q.float()[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * self.head_dim ** -0.5
-            p = s.masked_fill(~mask, float("-inf")).softmax(-1)          # [B, H_kv, G, L]
-            y = (p[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, D]
         return y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
 
     def cached(self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor):
@@ -205,27 +185,21 @@ class Attention(nn.Module):
         return q, k[:, :, :L], v[:, :, :L], k_new, v_new
 
     def rows_attention(self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor, cache_pos: Tensor) -> Tensor:
-        """Rows (qkv [B, T, ...]) over a bool mask [.., T or 1, L]. Returns [B, T, H * D].
-        (cpu_kernels.TileAttention: one kernel on AMX tiles for a tree's rows in bf16)"""
+        """Rows (qkv [B, T, ...]) over a bool mask [.., T or 1, L]. Returns [B, T, H * D]."""
         q, k, v, _, _ = self.cached(qkv, freqs_cis, mask, cache_pos)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
         return y.transpose(1, 2).reshape(*qkv.shape[:2], -1)
 
-    def tree_attention(self, *args) -> Tensor:  # (cpu_kernels.RowsAttention: a kernel for bf16 on Zen 4 and Zen 3)
+    def tree_attention(self, *args) -> Tensor:
         return tree_attention(*args)
 
 
-CPU_BF16 = torch.cpu._is_avx512_bf16_supported()  # bf16 arithmetic (AVX-512 bf16); read once: dynamo skips it
-
-
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, prefix: Tensor,
-                   tree_mask: Tensor) -> Tensor:
+                   tree_mask: Tensor, pv_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Attention of a tree's T rows: over the cache's prefix slots as two batched matmuls, over the
-    tree's own rows, whose keys and values are at hand, written out. A [T, L] mask over the cache
-    slots would need the tree mask gathered into them, and SDPA's CPU kernel with it cost 0.17 ms a
-    layer for 8 rows over 576 slots, this 0.12 (Zen 5). Scores and softmax in fp32, as SDPA's; the
-    weights meet the cached values in the cache's dtype, as in SDPA's CPU kernel (fp32 doubles that matmul;
-    in fp32 on CPUs without bf16 arithmetic).
+    tree's own rows, whose keys and values are at hand, written out: a [T, L] mask over the cache
+    slots would need the tree mask gathered into them. Scores and softmax in fp32, as SDPA's; the
+    weights meet the cached values in pv_dtype (default the cache's, as SDPA does).
     q [B, H, T, D]; k, v [B, H_kv, L, D] the cache's span; k_new, v_new [B, H_kv, T, D];
     prefix: bool [.., L] the slots every row sees; tree_mask: bool [T, T]. Returns [B, H, T, D]."""
     B, H, T, D = q.shape
@@ -237,9 +211,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor
     s_tree = s_tree.view(B, H_kv, G, T, T).masked_fill(~tree_mask, float("-inf")).view(B, H_kv, G * T, T)
     p = torch.cat([s_prefix, s_tree], -1).softmax(-1)
     L = k.shape[2]
-    # without bf16 arithmetic (AVX2) aten's bf16 bmm costs about 45x the fp32 one: 4.7 ms a layer for
-    # 13 rows over 576 slots, against 0.10 (Zen 3, eager profile); there the weights meet the values in fp32
-    pv = torch.float32 if v.device.type == "cpu" and not CPU_BF16 else v.dtype
+    pv = pv_dtype or v.dtype
     y = (p[..., :L].to(pv) @ v.to(pv).contiguous()).float() + (p[..., L:, None] * v_new.float()[:, :, None]).sum(-2)
     return y.to(v.dtype).view(B, H, T, D)
 

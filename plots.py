@@ -7,7 +7,7 @@
 
 Each kind of result goes into one PNG in --out: `tau_per_category.png` (spec_bench runs of tau),
 `speedup_per_category.png` (spec_bench runs with --speed: each tree's speed-up), `speedup_vs_tree.png`
-(speed runs), `rows_cost.png` (`--rows` runs); the runs' dates and machines go in the titles and legends.
+(speed runs), `rows_cost.png` (`bench.py rows` runs); the runs' dates and machines go in the titles and legends.
 matplotlib is for plots only (requirements-plots.txt), never imported by the engine.
 """
 import argparse

@@ -1,25 +1,24 @@
-"""Weight-only int8 / int4 quantization of the base model's linear layers (torch's own kernels), and a
-quality report against the bf16 model.
+"""Weight-only int8 / int4 quantization of the base model's linear layers on torch's own kernels: the
+quantized modules, which transform a float model from outside, and quantized checkpoints of the base
+model and its heads (bench.py's `quality` and `quantized` report what they cost and buy).
 
     python quantize.py --mode int8 --out ckpt/smollm2-int8                  # symmetric, per output channel
     python quantize.py --mode int4 --out ckpt/smollm2-int4-g32              # the GGUF's Q4_1 blocks, as they are
     python quantize.py --mode int4 --groupsize 128 --lm_head int8 --out ckpt/smollm2-int4-g128
     python generate.py --dtype bfloat16 --compile --checkpoint ckpt/smollm2-int4-g32
     python quantize.py --mode int8 --heads heads/eagle-smollm2 --out ckpt/smollm2-int8   # + int8 heads in it
-    python quantize.py --eval ckpt/smollm2-int8 ckpt/smollm2-int4-g32 ckpt/smollm2-int4-g128
-    python quantize.py --speed ckpt/smollm2-int8 ckpt/smollm2-int4-g32 --heads heads/eagle-smollm2 --lookup 3
+    python bench.py quality ckpt/smollm2-int8 ckpt/smollm2-int4-g32 ckpt/smollm2-int4-g128
+    python bench.py quantized ckpt/smollm2-int8 ckpt/smollm2-int4-g32 --heads heads/eagle-smollm2 --lookup 3
 
 A quantized checkpoint is our layout (model.safetensors, model_args.json, tokenizer) with a
-"quantization" entry in model_args.json; checkpoint.load_model builds these modules from it. The file
+"quantization" entry in model_args.json; generate.load_model builds these modules from it (install). The file
 holds a device-independent form: int8 weights [N, K] + scales [N] (w = q * scale), or int4 nibbles
 [N, K/2] (byte j: element 2j low, 2j+1 high) + scales and mins [N, K/G] (w = q * scale + min, q in 0..15,
 Q4_1's form). The kernels' packed forms are made at load time for the device.
 """
 import argparse
-import importlib.util
 import json
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,8 +31,7 @@ import checkpoint as C
 
 GROUPSIZES = (32, 64, 128, 256)
 # Up to this many rows the packed kernels run (decode and tree verification: memory-bound); over it
-# (prefill) the weight is dequantized for the bf16 GEMM: the kernels run at about a quarter of its
-# speed there (measured, Zen 4, 1536 x 576: 128 rows 3.4 / 3.1 ms int8 / int4, dequantized 1.5 / 2.0).
+# (prefill) the weight is dequantized for the bf16 GEMM, which runs about twice as fast there (docs/speed.md).
 KERNEL_ROWS = 64
 _noted = set()
 
@@ -280,7 +278,7 @@ def write_quantized(src, out_dir, mode: str, groupsize: int = 32, lm_head=None) 
 # A quantized head folder is the head's official layout with every linear weight `X.weight` [N, K]
 # stored as `X.weight_int8` + `X.scales` (int8, per output channel, whatever the base's mode: a
 # head's layers are too small for int4's groups to pay) and a "quantization" entry in config.json.
-# load_heads dequantizes the file for its layout code, then quantize_linears quantizes the float head
+# checkpoint.load_heads dequantizes the file for its layout code, then quantize_linears quantizes the float head
 # again, which gives back the stored integers (the scales to fp32 rounding): tested.
 
 def quantize_heads_state(sd: dict) -> dict:
@@ -290,19 +288,6 @@ def quantize_heads_state(sd: dict) -> dict:
             out[k[:-len("weight")] + "weight_int8"], out[k[:-len("weight")] + "scales"] = quantize_int8(v)
         else:
             out[k] = v
-    return out
-
-
-def dequantize_heads_state(sd: dict, quant: dict, folder) -> dict:
-    if quant.get("mode") != "int8":
-        raise QuantizationError(f"{folder}: unknown head quantization {quant}: this engine knows int8")
-    out = {k: v for k, v in sd.items() if not k.endswith((".weight_int8", ".scales"))}
-    for k, q in sd.items():
-        if k.endswith(".weight_int8"):
-            p = k[:-len("weight_int8")]
-            if p + "scales" not in sd:
-                raise QuantizationError(f"{folder}: {p}scales is missing beside {k}")
-            out[p + "weight"] = dequantize_int8(q, sd[p + "scales"].float())
     return out
 
 
@@ -330,11 +315,10 @@ def float_heads_config(src) -> dict:
 def write_quantized_heads(src, out_dir, base) -> Path:
     """The int8 head folder of the float head folder src (its official layout); base: the float base
     model the head drafts for, in fp32 (which keeps a float head's values exactly)."""
-    from heads import load_heads, save_heads
     cfg = float_heads_config(src)
-    head = load_heads(src, base)
+    head, _ = C.load_heads(src, base)
     out = Path(out_dir)
-    save_heads(head, out, cfg.get("base_model_name_or_path", ""), torch.float32)
+    C.save_heads(head, out, cfg.get("base_model_name_or_path", ""), torch.float32)
     weights = next(f for f in out.iterdir() if f.suffix == ".safetensors")
     C.save_file(quantize_heads_state(C.read_safetensors(weights)), weights)
     cfg = json.loads((out / "config.json").read_text())
@@ -346,106 +330,6 @@ def write_quantized_heads(src, out_dir, base) -> Path:
     return out
 
 
-# ---------------------------------------------------------------- quality report
-
-def evaluate(dirs, reference=None, data="data/selfdistill.npz", n=24, held_out=134, dtype=torch.bfloat16):
-    """Next-token distributions of each quantized checkpoint against the float reference over the
-    answer positions of n held-out sequences (the last `held_out` of the data: greedy answers of the
-    base model), all in dtype (float32: the dequantized weights through F.linear, which isolates the
-    scheme's own error from bf16's rounding). Returns one dict of statistics per checkpoint (and the
-    reference's perplexity)."""
-    from distill import read_data
-    seqs, prompt_lens, _, _ = read_data(data)
-    held = list(zip(seqs, prompt_lens))[len(seqs) - held_out:][:n]
-    L = max(len(s) for s, _ in held)
-    models = [C.load_model(d, "cpu", dtype)[0] for d in [reference, *dirs]]
-    for m in models:
-        m.setup_caches(1, L)
-    kl, same, nll = [[] for _ in dirs], [0] * len(dirs), [[] for _ in models]
-    with torch.inference_mode():
-        for s, p in held:
-            ids = torch.as_tensor(s.astype("int64"))
-            target = ids[p:]                                                       # the answer [A]
-            logps = [m(ids[None], torch.arange(len(ids)))[0, p - 1:-1].float().log_softmax(-1) for m in models]
-            for j, lp in enumerate(logps):
-                nll[j].append(-lp.gather(1, target[:, None])[:, 0])
-            ref = logps[0]
-            for j, lp in enumerate(logps[1:]):
-                kl[j].append((ref.exp() * (ref - lp)).sum(-1).clamp(min=0))
-                same[j] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
-    positions = sum(len(s) - p for s, p in held)
-    ppl = [torch.cat(x).mean().exp().item() for x in nll]
-    rows = []
-    for j, d in enumerate(dirs):
-        k = torch.cat(kl[j])
-        rows.append(dict(checkpoint=str(d), quant=C.quantization(d), mb=(Path(d) / "model.safetensors").stat().st_size / 1e6,
-                         kl_mean=k.mean().item(), kl_median=k.median().item(), kl_p99=k.quantile(0.99).item(),
-                         same_top1=same[j] / positions, ppl=ppl[j + 1], ppl_ref=ppl[0]))
-    return rows, len(held), positions
-
-
-def llama_cpp(gguf, prompt, n: int):
-    """llama.cpp's greedy decode on a GGUF through llama-cpp-python (installed for the benchmark only,
-    never a dependency of the engine), measured as bench.ours measures ours: the time of n new tokens
-    minus the time of 1, on the same prompt ids, this process's threads. Returns measure() -> (tokens/s, 1.0)."""
-    import bench
-    from llama_cpp import Llama
-    threads = torch.get_num_threads()
-    llm = Llama(str(gguf), n_ctx=-(-(len(prompt) + n) // 256) * 256, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
-    ids = [int(t) for t in prompt]
-
-    def run(k):
-        llm.reset()
-        llm.eval(ids)
-        for _ in range(k - 1):  # the prompt's next token is the first; each further one is a one-token eval
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
-
-    def measure():
-        t_n = bench.once(lambda: run(n))
-        return (n - 1) / (t_n - bench.once(lambda: run(1))), 1.0
-    return measure
-
-
-def speed(dirs, reference=None, heads=None, lookup=0, tree="tree16", n=128, runs=5, compiled=True, gguf=None):
-    """Compiled decode tokens/s (bf16 activations) of the reference model and of each quantized
-    checkpoint on bench.py's story prompt, side by side in one run (bench.side_by_side: in turns,
-    round after round): autoregressive and, with heads, speculative on `tree` (auto: what --tree auto
-    picks for each base, timed on first use); with gguf also llama.cpp's decoding of that file.
-    compiled=False: eager (tests). Returns [(name, tokens/s, tau, vs the reference's AR)]."""
-    import bench
-    import generate as G
-    from heads import load_heads
-    engines = {}
-    for d in [reference, *dirs]:
-        model, tok = C.load_model(d, "cpu", torch.bfloat16)
-        compile_step = G.compiler(model, "cpu", checkpoint=d) if compiled else lambda f: f
-        prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": bench.PROMPT}])))
-        name = str(d or "bf16")
-        ar = compile_step(lambda t, pos, span=None, m=model: G.ar_step(m, t, pos, span=span))
-        engines[f"{name}, AR"] = lambda m=model, s=ar, p=prompt: bench.ours(m, None, s, p, 0, n)
-        if not heads:
-            G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
-            continue
-        head = load_heads(heads, model, None, lookup)
-        paths = G.resolve_tree(model, head, heads, tree, "cpu", "default" if compiled else None, d)
-        if paths is None:  # auto chose plain decoding: its AR row above is the figure
-            G.setup_caches(model, None, G.cache_size(len(prompt), n, 1, model.args.max_seq_len))
-            continue
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
-        G.setup_caches(model, head, G.cache_size(len(prompt), n, nodes, model.args.max_seq_len), scratch)
-        spec = compile_step(lambda h, t, k, P, span=None, m=model, dr=draft, a=accept:
-                            G.spec_step(m, dr, a, h, t, k, P, span))
-        label = f"{Path(heads).name}{' + lookup' if lookup else ''} {tree}"
-        engines[f"{name}, {label}"] = lambda m=model, hd=head, s=spec, p=prompt, dp=depth, nd=nodes: bench.ours(m, hd, s, p, dp, n, nd)
-    if gguf:
-        engines[f"llama.cpp, {Path(gguf).name}"] = llama_cpp(gguf, prompt, n)
-    results = bench.side_by_side(engines, runs)
-    ref = next(iter(results.values()))
-    return [(name, statistics.median(r for r, _ in res), res[-1][1], bench.ratio(res, ref))
-            for name, res in results.items()]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", help="int8 (symmetric per output channel) or int4 (asymmetric groupwise)")
@@ -454,59 +338,11 @@ def main(argv=None):
                                                    "lookup stays exact)")
     p.add_argument("--checkpoint", default=None, help="the float source (default: the embedded model)")
     p.add_argument("--out", help="the quantized checkpoint folder to write")
-    p.add_argument("--eval", nargs="+", metavar="DIR", help="quality report of quantized checkpoints against "
-                                                           "the bf16 model (--checkpoint, default the embedded one)")
-    p.add_argument("--data", default="data/selfdistill.npz", help="--eval: sequences; the last 134 are held out")
-    p.add_argument("--n", type=int, default=24, help="--eval: held-out sequences to score")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="--eval: activations (float32: the schemes' own error, without bf16's rounding)")
-    p.add_argument("--speed", nargs="+", metavar="DIR", help="compiled decode speed of quantized checkpoints "
-                   "beside the bf16 model's (--checkpoint), side by side in one run")
-    p.add_argument("--heads", default=None, help="with --mode: also write these heads in int8 to OUT/<their folder "
-                                                 "name>; --speed: also speculative decoding with these heads")
-    p.add_argument("--lookup", type=int, default=0, help="--speed: the heads' prompt-lookup branch (N-gram)")
-    p.add_argument("--tree", default="tree16", help="--speed: the heads' tree (auto: chosen for each base)")
-    p.add_argument("--llama_cpp", nargs="?", const="default", default=None, metavar="GGUF",
-                   help="--speed: also llama.cpp on this GGUF (default: the embedded model's), through "
-                        "llama-cpp-python, which the benchmark needs and the engine never imports")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--heads", default=None, help="also write these heads in int8 to OUT/<their folder name>")
     args = p.parse_args(argv)
     try:
-        if args.speed:
-            import generate as G
-            gguf = C.default_checkpoint() if args.llama_cpp == "default" else args.llama_cpp
-            if gguf and not Path(gguf).is_file():
-                raise ValueError(f"--llama_cpp {gguf}: no such GGUF file")
-            if gguf and importlib.util.find_spec("llama_cpp") is None:
-                raise ValueError("--llama_cpp needs llama-cpp-python (pip install llama-cpp-python: a benchmark "
-                                 "tool, not a dependency; it builds llama.cpp, about 15 minutes on 2 cores)")
-            rows = speed(args.speed, args.checkpoint, args.heads, args.lookup, args.tree, args.max_new_tokens,
-                         args.runs, gguf=gguf)
-            print(f"\ncompiled decoding, bf16 activations, story prompt of bench.py, {args.max_new_tokens} new tokens, "
-                  f"median of {args.runs} interleaved runs, {G.machine('cpu')}, {torch.get_num_threads()} threads")
-            print(f"| engine | tok/s | tau | vs {rows[0][0]} |\n|---|---|---|---|")
-            for name, rate, tau, vs in rows:
-                print(f"| {name} | {rate:.1f} | {tau:.2f} | {vs:.2f}x |")
-            print("command: python quantize.py " + " ".join(sys.argv[1:] if argv is None else map(str, argv)))
-            return
-        if args.eval:
-            rows, n, positions = evaluate(args.eval, args.checkpoint, args.data, args.n, dtype=getattr(torch, args.dtype))
-            print(f"\n`python quantize.py --eval {' '.join(args.eval)} --n {args.n} --dtype {args.dtype}`: {n} held-out "
-                  f"sequences of {args.data}, {positions} answer positions, {args.dtype} activations, reference "
-                  f"the float model in {args.dtype} "
-                  f"(perplexity {rows[0]['ppl_ref']:.3f})\n")
-            print("| checkpoint | scheme | MB | KL mean | KL median | KL p99 | same top-1 | perplexity |\n"
-                  "|---|---|---|---|---|---|---|---|")
-            for r in rows:
-                q = r["quant"] or {}
-                scheme = f"{q.get('mode')}{'-g%s' % q['groupsize'] if q.get('groupsize') else ''}" + \
-                         (" + lm_head int8" if q.get("lm_head") else "")
-                print(f"| {r['checkpoint']} | {scheme} | {r['mb']:.0f} | {r['kl_mean']:.4f} | {r['kl_median']:.4f} "
-                      f"| {r['kl_p99']:.4f} | {100 * r['same_top1']:.1f}% | {r['ppl']:.3f} |")
-            return
         if not args.mode or not args.out:
-            raise ValueError("give --mode int8|int4 and --out DIR (or --eval DIR...)")
+            raise ValueError("give --mode int8|int4 and --out DIR")
         if args.heads:
             float_heads_config(args.heads)  # before anything is written
         out = write_quantized(args.checkpoint, args.out, args.mode, args.groupsize, args.lm_head)

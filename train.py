@@ -16,18 +16,20 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm import tqdm
 
-from checkpoint import DEFAULT_NAME, load_model
+from checkpoint import DEFAULT_NAME, HeadError, save_heads
 from distill import read_data
-from generate import check_device
-from heads import Eagle, Hydra, Medusa, save_heads, set_draft_vocab
+from generate import check_device, load_heads, load_model
+from heads import Eagle, Hydra, Medusa, set_draft_vocab
 from model import ModelArgs
 from trees import MEDUSA_TREES, best_paths, lookup_counts, prefix_counts, tree_tau
 
@@ -160,7 +162,7 @@ def head_outputs(head, base, args, k: int, feats, tokens, answer, h, W):
 
 
 def context_vocab(tokens, t2d):
-    """--context: the batch's tokens outside the draft vocab, which heads.note_context adds to the draft
+    """--context: the batch's tokens outside the draft vocab, which Drafter.note_context adds to the draft
     at inference once they are in the context. Returns oov [U] token ids and seen [B, T, U]: token u
     is in the context of the draft from position t (the tokens up to t+1, the root, are known then)."""
     B, T = tokens.shape
@@ -339,7 +341,6 @@ def draft_vocab(seqs, plens, ids, V: int, size: int):
 def init_from(head, folder, base, kind: str, d2t):
     """Start from a saved head's weights (fine-tuning on more data, say) with a fresh optimizer and
     schedule. Its draft vocab is this data's: a head with its own lm_head must have been saved with the same one."""
-    from heads import HeadError, load_heads
     cfg = Path(folder) / "config.json"
     if cfg.exists() and json.loads(cfg.read_text()).get("quantization"):
         raise ValueError(f"--init: {folder} holds int8 heads (quantize.py): start from their float source")
@@ -347,7 +348,7 @@ def init_from(head, folder, base, kind: str, d2t):
         old = load_heads(folder, base, kind)
     except HeadError as e:
         raise ValueError(f"--init: {e}") from None
-    old_d2t = getattr(old, "d2t", None)
+    old_d2t = old.d2t
     own_rows = any("lm_head" in k for k in old.state_dict()) or isinstance(old, Medusa) and old.lm_head
     same_vocab = old_d2t is None and d2t is None or (
         old_d2t is not None and d2t is not None and torch.equal(old_d2t.cpu(), d2t.cpu()))
@@ -371,8 +372,28 @@ RESUME_KEYS = ("head", "init", "num_heads", "num_layers", "shared_lm_head", "hyd
                "data", "checkpoint", "batch_size", "max_len", "holdout", "seed", "epochs", "steps", "lr", "warmup")
 
 
-def train(args):
-    device = check_device(args.device)
+@dataclass
+class Run:
+    """What a training run works on, fixed by setup: the frozen base, the data split, the head, its optimizer."""
+    base: nn.Module
+    base_name: str
+    seqs: list              # token sequences, cut to --max_len
+    plens: list             # their prompt lengths
+    offsets: np.ndarray     # where each uncut sequence starts in --features
+    feats: object           # the cached base features (--features) or None
+    train_ids: list
+    hold_ids: list          # held out: the last sequences of the data
+    head: nn.Module
+    t2d: object             # the draft vocab's map from token ids (--draft_vocab) or None
+    W: Tensor               # [V', dim] the frozen lm_head rows the heads' logits use
+    opt: torch.optim.Optimizer
+    lr: float
+    total: int              # optimizer steps in the schedule
+    per_epoch: int
+    init_record: object     # --init's train_record.json
+
+
+def check_args(args):
     if args.unroll < 1 or args.unroll > 1 and args.head != "eagle":
         raise ValueError(f"--unroll {args.unroll}: give EAGLE 1 or more draft steps to train (other heads: leave it out)")
     if args.tree_size < 1:
@@ -380,7 +401,11 @@ def train(args):
     if args.context and (not args.draft_vocab or args.head != "eagle" and not args.shared_lm_head):
         raise ValueError("--context needs --draft_vocab and a head that shares the base lm_head "
                          "(EAGLE, or --shared_lm_head): only those draft the context's tokens")
-    torch.manual_seed(args.seed)
+
+
+def setup(args, device) -> Run:
+    """The frozen base, the data (checked against it) and its held-out split, a fresh head (or --init's)
+    and its optimizer."""
     # --bf16: the frozen base runs in bf16 (as decoding with --dtype bfloat16 does; its static cache
     # takes one dtype, so no autocast there) and the heads under autocast with fp32 weights
     base, _ = load_model(args.checkpoint, device, torch.bfloat16 if args.bf16 else torch.float32)
@@ -401,11 +426,9 @@ def train(args):
     plens = [min(int(p), len(s)) for p, s in zip(plens, seqs)]
     N = len(seqs)
     n_hold = max(1, round(N * args.holdout)) if N > 1 and args.holdout > 0 else 0
-    train_ids, hold_ids = list(range(N - n_hold)), list(range(N - n_hold, N))  # held out: the last sequences
+    train_ids, hold_ids = list(range(N - n_hold)), list(range(N - n_hold, N))
     if not train_ids:
         raise ValueError(f"{args.data} holds no sequences: make data with `distill.py generate`")
-    lengths = [len(s) for s in seqs]
-
     d2t = t2d = None
     if args.draft_vocab:
         d2t, t2d = draft_vocab(seqs, plens, train_ids, base.args.vocab_size, args.draft_vocab)
@@ -419,93 +442,118 @@ def train(args):
     lr = args.lr or {"medusa": 1e-3, "hydra": 1e-3, "eagle": 3e-4}[args.head]
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
                             weight_decay=args.weight_decay)
-    B = args.batch_size
-    per_epoch = math.ceil(len(train_ids) / B)
-    total = args.steps or args.epochs * per_epoch
-    out = Path(args.out)
-    ckpt_path = out / "ckpt.pt"
-    step, elapsed, losses = 0, 0.0, []
-    if args.resume:
-        if not ckpt_path.exists():
-            raise ValueError(f"--resume: no checkpoint {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-        # a switch added after the checkpoint was made was off then
-        made = {k: ckpt["args"].get(k, False if isinstance(vars(args).get(k), bool) else None) for k in RESUME_KEYS}
-        differ = [k for k in RESUME_KEYS if made[k] != vars(args).get(k)]
-        if differ:
-            raise ValueError(f"--resume: {ckpt_path} was made with other settings ("
-                             + ", ".join(f"--{k} {made[k]}" for k in differ) + "): use those")
-        head.load_state_dict(ckpt["head"])
-        opt.load_state_dict(ckpt["opt"])
-        torch.set_rng_state(ckpt["rng"])
-        step, elapsed, losses = ckpt["step"], ckpt["elapsed"], ckpt["losses"]
-        print(f"resuming {ckpt_path} at step {step} of {total}", file=sys.stderr)
-    elif ckpt_path.exists():
-        print(f"note: starting over, {ckpt_path} will be overwritten (--resume continues it)", file=sys.stderr)
+    per_epoch = math.ceil(len(train_ids) / args.batch_size)
+    return Run(base, base_name, seqs, plens, offsets, feats, train_ids, hold_ids, head, t2d, W, opt, lr,
+               args.steps or args.epochs * per_epoch, per_epoch, init_record)
 
-    def save_checkpoint():
-        out.mkdir(parents=True, exist_ok=True)
-        state = {"step": step, "elapsed": elapsed + time.perf_counter() - t0, "losses": losses,
-                 "head": head.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
-                 "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
-        torch.save(state, ckpt_path.with_name("ckpt.pt.tmp"))
-        os.replace(ckpt_path.with_name("ckpt.pt.tmp"), ckpt_path)
 
+def resume(args, run: Run, ckpt_path: Path) -> tuple:
+    """(step, seconds spent, losses) where the run starts: --resume's checkpoint, or the beginning."""
+    if not args.resume:
+        if ckpt_path.exists():
+            print(f"note: starting over, {ckpt_path} will be overwritten (--resume continues it)", file=sys.stderr)
+        return 0, 0.0, []
+    if not ckpt_path.exists():
+        raise ValueError(f"--resume: no checkpoint {ckpt_path}")
+    ckpt = torch.load(ckpt_path, map_location=run.W.device, weights_only=True)
+    # a switch added after the checkpoint was made was off then
+    made = {k: ckpt["args"].get(k, False if isinstance(vars(args).get(k), bool) else None) for k in RESUME_KEYS}
+    differ = [k for k in RESUME_KEYS if made[k] != vars(args).get(k)]
+    if differ:
+        raise ValueError(f"--resume: {ckpt_path} was made with other settings ("
+                         + ", ".join(f"--{k} {made[k]}" for k in differ) + "): use those")
+    run.head.load_state_dict(ckpt["head"])
+    run.opt.load_state_dict(ckpt["opt"])
+    torch.set_rng_state(ckpt["rng"])
+    print(f"resuming {ckpt_path} at step {ckpt['step']} of {run.total}", file=sys.stderr)
+    return ckpt["step"], ckpt["elapsed"], ckpt["losses"]
+
+
+def save_checkpoint(args, run: Run, ckpt_path: Path, step: int, elapsed: float, losses: list):
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "elapsed": elapsed, "losses": losses,
+             "head": run.head.state_dict(), "opt": run.opt.state_dict(), "rng": torch.get_rng_state(),
+             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
+    torch.save(state, ckpt_path.with_name("ckpt.pt.tmp"))
+    os.replace(ckpt_path.with_name("ckpt.pt.tmp"), ckpt_path)
+
+
+def train_loop(args, run: Run, ckpt_path: Path, step: int, elapsed: float, losses: list) -> tuple:
+    """Optimizer steps from `step` to the schedule's end (or --stop_after, --minutes, Ctrl-C), saving a
+    checkpoint every --save_every steps and at the end. Returns (step, seconds spent, time up)."""
+    B, K, device = args.batch_size, num_heads(run.head, args), run.W.device
     # the frozen forward writes a cache; one, sized for the longest (and the positions of --unroll's steps)
-    base.setup_caches(B, max(lengths) + max(0, args.unroll))
-    stop_at = min(total, args.stop_after) if args.stop_after else total
-    K = num_heads(head, args)
+    run.base.setup_caches(B, max(len(s) for s in run.seqs) + max(0, args.unroll))
+    stop_at = min(run.total, args.stop_after) if args.stop_after else run.total
     recent = []  # (hits1, counts) of the last steps, for the progress bar
-    bar = tqdm(total=total, initial=step, desc=f"train {args.head}", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    batches = None
-    time_up = False
-    head.train()
+    bar = tqdm(total=run.total, initial=step, desc=f"train {args.head}", dynamic_ncols=True)
+    t0, batches, time_up = time.perf_counter(), None, False
+    run.head.train()
     try:
         while step < stop_at:
-            if batches is None or step % per_epoch == 0:
-                batches = epoch_batches(lengths, train_ids, B, args.seed, step // per_epoch)
+            if batches is None or step % run.per_epoch == 0:
+                batches = epoch_batches([len(s) for s in run.seqs], run.train_ids, B, args.seed, step // run.per_epoch)
             at = step
             if args.minutes:  # a time budget: the schedule runs over whichever of steps or time ends first
-                at = max(step, int(total * (elapsed + time.perf_counter() - t0) / (60 * args.minutes)))
-                if at >= total:
+                at = max(step, int(run.total * (elapsed + time.perf_counter() - t0) / (60 * args.minutes)))
+                if at >= run.total:
                     time_up = True
                     break
-            tokens, answer, h = make_batch(seqs, plens, batches[step % per_epoch], B, device, feats, offsets)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(at, total, args.warmup, lr)
-            loss, ranks = run_batch(head, base, args, tokens, answer, W, t2d, train=True, h=h)
+            tokens, answer, h = make_batch(run.seqs, run.plens, batches[step % run.per_epoch], B, device, run.feats,
+                                           run.offsets)
+            for g in run.opt.param_groups:
+                g["lr"] = lr_at(at, run.total, args.warmup, run.lr)
+            loss, ranks = run_batch(run.head, run.base, args, tokens, answer, run.W, run.t2d, train=True, h=h)
             if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+                torch.nn.utils.clip_grad_norm_(run.head.parameters(), args.grad_clip)
+            run.opt.step()
+            run.opt.zero_grad(set_to_none=True)
             step += 1
             losses.append(loss)
             recent = (recent + [((ranks == 0).sum(0).tolist(), (ranks >= 0).sum(0).tolist())])[-50:]
             acc = [sum(r[0][k] for r in recent) / max(1, sum(r[1][k] for r in recent)) for k in range(K)]
             bar.update(1)
-            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}",
-                            top1=" ".join(f"{a:.2f}" for a in acc))
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", top1=" ".join(f"{a:.2f}" for a in acc))
             if args.save_every and step % args.save_every == 0:
-                save_checkpoint()
+                save_checkpoint(args, run, ckpt_path, step, elapsed + time.perf_counter() - t0, losses)
     except KeyboardInterrupt:
         print(f"\ninterrupted at step {step}", file=sys.stderr)
     bar.close()
-    save_checkpoint()
-    if time_up:
-        print(f"--minutes {args.minutes}: the time was up at step {step} of {total}", file=sys.stderr)
-    elif step < total:
-        print(f"stopped at step {step} of {total}; {ckpt_path} saved: continue with the same command and --resume",
-              file=sys.stderr)
+    elapsed += time.perf_counter() - t0
+    save_checkpoint(args, run, ckpt_path, step, elapsed, losses)
+    return step, elapsed, time_up
 
-    # held-out accuracy: the last sequences of the data, never trained on
-    head.eval()
-    ranks = [torch.zeros(0, K, dtype=torch.long)]
+
+def held_out(args, run: Run) -> Tensor:
+    """The rank of the true token in each head's logits at every held-out answer position: [P, K]
+    (-1 where a head has no target there)."""
+    run.head.eval()
+    ranks = [torch.zeros(0, num_heads(run.head, args), dtype=torch.long)]
     with torch.no_grad():
-        for j in range(0, len(hold_ids), B):
-            tokens, answer, h = make_batch(seqs, plens, hold_ids[j:j + B], B, device, feats, offsets)
-            ranks.append(run_batch(head, base, args, tokens, answer, W, t2d, train=False, h=h)[1].cpu())
-    ranks = torch.cat(ranks)                                                    # [P, K]
+        for j in range(0, len(run.hold_ids), args.batch_size):
+            tokens, answer, h = make_batch(run.seqs, run.plens, run.hold_ids[j:j + args.batch_size], args.batch_size,
+                                           run.W.device, run.feats, run.offsets)
+            ranks.append(run_batch(run.head, run.base, args, tokens, answer, run.W, run.t2d, train=False, h=h)[1].cpu())
+    return torch.cat(ranks)
+
+
+def train(args):
+    """Trains --head on --data, then writes OUT: the head in its official layout, acceptance.json (what
+    `--tree auto` weighs), tree.json (a static tree fit to the held-out ranks) and train_record.json."""
+    device = check_device(args.device)
+    check_args(args)
+    torch.manual_seed(args.seed)
+    run = setup(args, device)
+    out = Path(args.out)
+    ckpt_path = out / "ckpt.pt"
+    step, elapsed, losses = resume(args, run, ckpt_path)
+    step, elapsed, time_up = train_loop(args, run, ckpt_path, step, elapsed, losses)
+    if time_up:
+        print(f"--minutes {args.minutes}: the time was up at step {step} of {run.total}", file=sys.stderr)
+    elif step < run.total:
+        print(f"stopped at step {step} of {run.total}; {ckpt_path} saved: continue with the same command and --resume",
+              file=sys.stderr)
+    ranks = held_out(args, run)                                                   # [P, K]
     counts = (ranks >= 0).sum(0).tolist()
     top1, top5 = hit_rates(ranks, 1), hit_rates(ranks, 5)
     # a static tree fit to these heads, as Medusa fit mc_sim_7b_63 to vicuna-7b's: --tree OUT/tree.json
@@ -513,26 +561,35 @@ def train(args):
     paths = best_paths(prefixes, args.tree_size)
     tree = {"size": len(paths), "heldout_tau": round(tree_tau(ranks, paths), 3),
             "heldout_tau_mc_sim_7b_63": round(tree_tau(ranks, MEDUSA_TREES["mc_sim_7b_63"]), 3)}
-
-    save_heads(head, out, base_model=base_name, dtype=getattr(torch, args.save_dtype))
+    save_heads(run.head, out, base_model=run.base_name, dtype=getattr(torch, args.save_dtype))
     # what `--tree auto` weighs against this machine's step costs (trees.choose_tree): how many
     # held-out roots start with each of the most frequent index paths
     top = best_paths(prefixes, 512)
     (out / "acceptance.json").write_text(json.dumps(
         {"roots": int(ranks.shape[0]), "paths": top, "counts": [prefixes[tuple(p)] for p in top],
-         "lookup": lookup_acceptance(seqs, plens, hold_ids)}) + "\n")
+         "lookup": lookup_acceptance(run.seqs, run.plens, run.hold_ids)}) + "\n")
     if paths:
         (out / "tree.json").write_text(json.dumps(paths))
     else:  # no head ever drafted a held-out token right: no tree, and none left from an earlier run
         (out / "tree.json").unlink(missing_ok=True)
+    record = train_record(args, run, step, elapsed, losses, counts, top1, top5, tree)
+    (out / "train_record.json").write_text(json.dumps(record, indent=1))
+    print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}; expected tau of "
+          f"tree.json ({len(paths)} nodes) {tree['heldout_tau']}, of mc_sim_7b_63 {tree['heldout_tau_mc_sim_7b_63']}",
+          file=sys.stderr)
+    return {**record, "losses": losses}
+
+
+def train_record(args, run: Run, step, elapsed, losses, counts, top1, top5, tree) -> dict:
+    lengths = [len(s) for s in run.seqs]
     n_curve = min(20, len(losses))
     chunk = len(losses) / max(1, n_curve)
-    record = {
-        "base_model": base_name, "head": args.head, "num_heads": K,
-        "data": str(args.data), "data_sequences": N, "data_tokens": int(sum(lengths)),
-        "data_answer_tokens": int(sum(l - p for l, p in zip(lengths, plens))),
-        "train_sequences": len(train_ids), "heldout_sequences": len(hold_ids),
-        "steps": step, "total_steps": total, "time_s": round(elapsed + time.perf_counter() - t0, 1),
+    return {
+        "base_model": run.base_name, "head": args.head, "num_heads": num_heads(run.head, args),
+        "data": str(args.data), "data_sequences": len(run.seqs), "data_tokens": int(sum(lengths)),
+        "data_answer_tokens": int(sum(l - p for l, p in zip(lengths, run.plens))),
+        "train_sequences": len(run.train_ids), "heldout_sequences": len(run.hold_ids),
+        "steps": step, "total_steps": run.total, "time_s": round(elapsed, 1),
         "loss_curve": [round(sum(losses[int(i * chunk):int((i + 1) * chunk)]) / max(1, int((i + 1) * chunk) - int(i * chunk)), 4)
                        for i in range(n_curve)],
         "heldout": {"positions": counts, "top1": top1, "top5": top5},
@@ -540,14 +597,9 @@ def train(args):
         "draft_vocab": args.draft_vocab or None,
         "context": args.context,   # held-out accuracy also counts the context's tokens outside the vocab
         # --init: how the heads it started from were trained (their own record)
-        "init": init_record,
+        "init": run.init_record,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }
-    (out / "train_record.json").write_text(json.dumps(record, indent=1))
-    print(f"saved {out} (step {step}); held-out top-1 per head {top1}, top-5 {top5}; expected tau of "
-          f"tree.json ({len(paths)} nodes) {tree['heldout_tau']}, of mc_sim_7b_63 {tree['heldout_tau_mc_sim_7b_63']}",
-          file=sys.stderr)
-    return {**record, "losses": losses}
 
 
 # ---------------------------------------------------------------- CLI

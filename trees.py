@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-import cpu_kernels
 
 # Medusa's medusa_choices format: a node is its index path from the root, [0, 1] = top-1
 # of head 1, then top-2 of head 2. The root is implicit.
@@ -184,7 +183,7 @@ def fit_tree(ranks: Tensor, size: int, top: int = 10) -> list:
 
 
 def step_counts(observed: list, paths: list, n: int) -> dict:
-    """Acceptance as the step sees it (bench.py --acceptance), in acceptance.json's layout.
+    """Acceptance as the step sees it (bench.py acceptance), in acceptance.json's layout.
     observed: per step of a tree of index paths `paths`, (the index path of the deepest head node the
     base accepted, () if none; how many of the lookup chain's tokens it accepted, n its n-gram
     length). Returns dict(roots, paths: every path of the tree, counts: roots whose accepted path
@@ -208,7 +207,7 @@ def walk_tau(walk: list, trees: list) -> list:
     """Tokens a step of each tree, walked through known text: decoding accepts, at a root, the deeper
     of the head's accepted path within the tree and the lookup chain's right tokens (as deep as the
     chain), then roots at the token after them. walk: per prompt, per position of its greedy text
-    (each a root, bench.py --acceptance), (the deepest path of a big tree the base accepts there,
+    (each a root, bench.py acceptance), (the deepest path of a big tree the base accepts there,
     as a tuple; how many of the lookup chain's tokens are right). trees: [(the head's index paths,
     a set of tuples within the big tree; the lookup chain's depth)]. Counting hits at the roots of
     one tree's decode overrates another tree's: its roots fall elsewhere, and hits come in runs
@@ -236,7 +235,7 @@ def walk_tau(walk: list, trees: list) -> list:
 
 
 def step_walk(step: dict, n: int = 0) -> Optional[list]:
-    """bench.py --acceptance's positions (its step's "walk") as walk_tau takes them: per prompt, per
+    """bench.py acceptance's positions (its step's "walk") as walk_tau takes them: per prompt, per
     position (the deepest accepted head path, () for none; the right tokens of the n-gram lookup
     chain of length n, 0 for n = 0). None where nothing was walked, or not with that lookup."""
     w, paths = step.get("walk"), [tuple(p) for p in step["paths"]] + [()]  # best -1: ()
@@ -501,7 +500,7 @@ def _accept_along(target: Tensor, draft_tokens: Tensor, retrieve_indices: Tensor
 
 def all_before(ok: Tensor) -> Tensor:
     """ok [L, D] bool -> [L, D]: ok at this column and every one before it. A tree's few columns in
-    turn, which inductor fuses (a cumprod is an aten call: 21 us a step, Xeon 167)."""
+    turn, which inductor fuses (a cumprod is an aten call)."""
     cols = [ok[:, :1]]
     for d in range(1, ok.shape[1]):
         cols.append(cols[-1] & ok[:, d:d + 1])
@@ -517,23 +516,27 @@ def _path(idx: Tensor, lengths: Tensor, best: Tensor) -> tuple:
     return accept_length, path
 
 
+def kernel(op: str) -> bool:
+    """Whether cpu_kernels.py has loaded its op treespec::op (it builds them for bf16 on a CPU)."""
+    return hasattr(torch.ops.treespec, op)
+
+
 def top_indices(logits: Tensor, k: int) -> Tensor:
     """logits.topk(k).indices, largest first; bf16 on a CPU with the engine's kernels built: their topk
     op (the earlier index first among equals, where torch's order is unspecified; NaNs passed over),
-    4 us over a draft's 8,192-token row against torch's 26 (a draft level's choices)."""
+    several times faster over a draft's row (docs/speed.md)."""
     if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1] % 16 == 0
-            and k <= min(64, logits.shape[-1]) and cpu_kernels.has("topk")):
+            and k <= min(64, logits.shape[-1]) and kernel("topk")):
         return torch.ops.treespec.topk(logits, k)
     return logits.topk(k, dim=-1).indices
 
 
 def argmax(logits: Tensor) -> Tensor:
     """logits.argmax(-1) (the first of equal maxima). bf16 on a CPU with the engine's kernels built:
-    their argmax op. Else a max and a min: inductor's CPU argmax reduction runs one element at a time,
-    146 us over a 49,152-token row and 378 over 13 rows, this 35 and 186 (compiled, Xeon family 6
-    model 167). (A NaN row gives the last token, not NaN's; the op passes NaNs over.)"""
+    their argmax op. Else a max and a min, which inductor fuses, where its CPU argmax reduction runs one
+    element at a time (docs/speed.md). (A NaN row gives the last token, not NaN's; the op passes NaNs over.)"""
     if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1] % 16 == 0
-            and cpu_kernels.has("argmax")):
+            and kernel("argmax")):
         return torch.ops.treespec.argmax(logits)
     V = logits.shape[-1]
     i = torch.arange(V, device=logits.device, dtype=torch.int32)

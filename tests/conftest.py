@@ -17,6 +17,7 @@ if str(ROOT) not in sys.path:
 
 import checkpoint  # noqa: E402
 import distill  # noqa: E402
+import generate  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -149,7 +150,7 @@ def dataset(tiny, tmp_path_factory):
 def default_model():
     """(Transformer, Tokenizer) of the embedded SmolLM2-135M-Instruct, fp32 on CPU, loaded once.
     Uses the real cache ($TREESPEC_CACHE or ~/.cache/treespec): the first run converts the GGUF."""
-    model, tokenizer = checkpoint.load_model(None, "cpu", torch.float32)
+    model, tokenizer = generate.load_model(None, "cpu", torch.float32)
     return model, tokenizer
 
 

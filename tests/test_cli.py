@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, build_hf_model, write_hf_folder
+import speculate as sp
 
 # name: what to pass, and what the last line of stderr must say
 BAD_INPUTS = {
@@ -100,16 +101,16 @@ def test_paris(run_cli):
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--spec_bench", 1], "give --heads"),
-    (["--spec_bench", 1, "--heads", "ngram", "--questions", "no-such-file.jsonl"], "give --questions"),
-    (["--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
-    (["--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
-    (["--ties"], "give --spec_bench N"),
-    (["--profile", "p.txt", "--spec_bench", 1, "--heads", "ngram"], "drop --spec_bench"),
-    (["--acceptance", "data/calibrate.jsonl"], "give --heads"),
-    (["--acceptance", "../shared/data/spec_bench.jsonl", "--heads", "ngram"], "give other prompts"),
-    (["--acceptance", "data/calibrate.jsonl", "--heads", "ngram"], "ngram is not a folder"),
-    (["--acceptance", "no-such-file.jsonl", "--heads", "heads/hydra-smollm2"], "cannot read the prompts file"),
+    (["spec_bench", 1], "give --heads"),
+    (["spec_bench", 1, "--heads", "ngram", "--questions", "no-such-file.jsonl"], "give --questions"),
+    (["speed", "--device", "cuda", "--skip_hf"], "device 'cuda' is not available"),
+    (["speed", "--checkpoint", "some/model"], "add --skip_hf with --checkpoint"),
+    (["rows", "--lookup", 3], "give --heads too"),
+    (["acceptance", "data/calibrate.jsonl"], "give --heads"),
+    (["acceptance", "../shared/data/spec_bench.jsonl", "--heads", "ngram"], "give other prompts"),
+    (["acceptance", "data/calibrate.jsonl", "--heads", "ngram"], "ngram is not a folder"),
+    (["acceptance", "no-such-file.jsonl", "--heads", "heads/hydra-smollm2"], "cannot read the prompts file"),
+    (["quantized", "ckpt/none", "--llama_cpp", "no-such.gguf"], "no such GGUF file"),
 ])
 def test_bench_bad_input_is_one_clear_error_line(args, says):
     if "cuda" in args and torch.cuda.is_available():
@@ -157,7 +158,7 @@ def test_spec_bench_runs_several_trees_against_one_autoregressive_decode(default
     question's one autoregressive decode is the reference of all (same output, its time)."""
     import bench
     import generate as G
-    from heads import load_heads
+    from generate import load_heads
     model, tok = default_model
     qs = tmp_path / "q.jsonl"
     qs.write_text("\n".join(json.dumps(dict(category=c, turns=[t])) for c, t in [
@@ -165,11 +166,11 @@ def test_spec_bench_runs_several_trees_against_one_autoregressive_decode(default
     head = load_heads("ngram", model)
     specs = []
     for tree in ("chain4", [[0]]):
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
+        draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree)
         specs.append((str(tree), lambda h, t, k, P, span=None, d=draft, a=accept:
-                      G.spec_step(model, d, a, h, t, k, P, span), depth, nodes))
-    G.setup_caches(model, head, G.cache_size(64, 24, 8, model.args.max_seq_len), 8)
-    res = bench.spec_bench(model, tok, head, specs, lambda t, pos, span=None: G.ar_step(model, t, pos, span=span),
+                      sp.spec_step(model, d, a, h, t, k, P, span), depth, nodes))
+    sp.setup_caches(model, head, G.cache_size(64, 24, 8, model.args.max_seq_len), 8)
+    res = bench.spec_bench(model, tok, head, specs, lambda t, pos, span=None: sp.ar_step(model, t, pos, span=span),
                            qs, 1, 24, 64, speed=True)
     assert list(res) == ["chain4", "[[0]]"] and all(list(r) == ["lists", "math"] for r in res.values())
     for r in res.values():

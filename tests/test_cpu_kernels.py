@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels as ck
-import generate as G
 from model import Attention, FeedForward, KVCache, ModelArgs, Transformer, precompute_freqs_cis, tree_attention
+import speculate as sp
 
 zen4 = pytest.mark.skipif(not ck.wanted("cpu", torch.bfloat16),
                           reason="the kernels are for CPUs with AVX-512 bf16 and no AMX")
@@ -233,7 +233,7 @@ def test_tiles_token_attention_is_its_row_in_a_tree(P, two_threads):
     assert ck.build()
     g = torch.Generator().manual_seed(P)
     a = ck.install(Attention(ModelArgs(dim=576, n_head=9, n_kv_head=3)).bfloat16(), "cpu", torch.bfloat16)
-    assert type(a) is ck.TileAttention and a.token_rows
+    assert type(a) is ck.TileAttention
     S = P + 80
     a.kv_cache = KVCache(1, 3, S, 64, torch.bfloat16)
     for c in (a.kv_cache.k_cache, a.kv_cache.v_cache):
@@ -241,7 +241,7 @@ def test_tiles_token_attention_is_its_row_in_a_tree(P, two_threads):
     cache = [c.clone() for c in (a.kv_cache.k_cache, a.kv_cache.v_cache)]
     x = torch.randn(1, 3, 576, generator=g).bfloat16()          # the token, then two more rows of a chain
     freqs = precompute_freqs_cis(ModelArgs(), S)
-    span = lambda rows: -(-(P + rows) // 64) * 64                   # generate.live_span's rounding
+    span = lambda rows: -(-(P + rows) // 64) * 64                   # sp.live_span's rounding
     L = span(1)
     y = a(x[:, :1], freqs[P:P + 1], (torch.arange(L) <= P)[None, None, None], torch.tensor([P]))
     token_cache = [c.clone() for c in (a.kv_cache.k_cache, a.kv_cache.v_cache)]
@@ -296,7 +296,7 @@ def test_install_with_tiles_swaps_linears_and_attention():
     x = torch.randn(3, 96).bfloat16()  # with its bias
     torch.testing.assert_close(m[1](x).float(), F.linear(x.float(), m[1].weight.float(), m[1].bias.float()),
                                rtol=2 ** -8 + 1e-5, atol=1e-4)
-    assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is Attention
+    assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.float32)) is ck.CpuAttention
     f = FeedForward(ModelArgs(dim=64, intermediate_size=96)).bfloat16()
     ck.install(f, "cpu", torch.bfloat16)  # w1 and w3 packed together, for tiles_glu; w2 alone
     assert type(f) is ck.TileFeedForward and [type(l) for l in (f.w1, f.w2, f.w3)] == [nn.Linear, ck.TileLinear, nn.Linear]
@@ -321,8 +321,7 @@ def test_eagle_head_attends_with_the_base_kernels():
     """A head's decoder layer and draft vocab rows take the base's kernels: its draft rows go to
     rows_attention and tiles_linear too."""
     from pathlib import Path
-    from checkpoint import load_model
-    from heads import load_heads
+    from generate import load_heads, load_model
     base, _ = load_model(None, "cpu", torch.bfloat16)
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
     assert type(head.head.layer.block.attention) is ck.TileAttention
@@ -334,8 +333,7 @@ def test_eagle_head_attends_with_the_base_kernels():
 def test_avx2_eagle_head_takes_the_base_kernels():
     """On AVX2 a head's projections, its fc with a bias too, are the base's rows_linear."""
     from pathlib import Path
-    from checkpoint import load_model
-    from heads import load_heads
+    from generate import load_heads, load_model
     base, _ = load_model(None, "cpu", torch.bfloat16)
     head = load_heads(Path(__file__).parents[1] / "heads" / "eagle-smollm2", base, lookup=3)
     assert type(head.head.draft_lm) is ck.WideLinear and type(head.head.layer.block.feed_forward) is ck.WideFeedForward
@@ -405,7 +403,7 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
     x = torch.randn(2, 5, 64).bfloat16()  # 10 rows: the kernel, the batch dims kept
     torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
     fp32 = ck.install(nn.Sequential(nn.Linear(8, 16, bias=False), Attention(ModelArgs(dim=128, n_head=2))), "cpu", torch.float32)
-    assert [type(l) for l in fp32] == [nn.Linear, Attention]
+    assert [type(l) for l in fp32] == [nn.Linear, ck.CpuAttention]
     assert type(ck.install(Attention(ModelArgs(dim=128, n_head=2)), "cpu", torch.bfloat16)) is ck.RowsAttention
 
 
@@ -436,7 +434,7 @@ def test_compiled_tree_forward_calls_the_kernels(one_thread):
         step = lambda m: (lambda t: m(t, P + torch.arange(N), torch.arange(63)[None] < P,
                                       cache_pos=P + torch.arange(N), tree_mask=tree))
         greedy = lambda t: (lambda y: (y, T.argmax(y[0])))(step(model)(t))
-        (y, top), code = run_and_get_code(G.compile_step(greedy, "cpu", mode="default"), tokens[:, P:])
+        (y, top), code = run_and_get_code(sp.compile_step(greedy, "cpu", mode="default"), tokens[:, P:])
         want = step(ref)(tokens[:, P:])
     code = "\n".join(code)
     if ck.wanted_tiles("cpu", torch.bfloat16):

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-import generate as G
-from heads import load_heads
+from generate import load_heads
+import speculate as sp
 
 DEVICE = os.environ.get("TREESPEC_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
@@ -27,26 +27,27 @@ def smol(default_model):
     prompts = [torch.tensor(tok.encode(tok.chat([{"role": "user", "content": p}])), device=DEVICE) for p in PROMPTS]
     refs = []
     for prompt in prompts:
-        G.setup_caches(model, None, len(prompt) + MAX_NEW + 1)
+        sp.setup_caches(model, None, len(prompt) + MAX_NEW + 1)
         with torch.inference_mode():
-            first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-            refs.append(G.decode(lambda t, p: G.ar_step(model, t, p), state, first, MAX_NEW, tok.eos_id))
+            first, state = sp.start(model, None, prompt, 0, dict(temperature=0.0))
+            refs.append(sp.decode(lambda t, p: sp.ar_step(model, t, p), state, first, MAX_NEW, tok.eos_id)[0])
     return model, tok, prompts, refs
 
 
 def spec_outputs(model, tok, head, prompts, tree, dynamic, compile_mode=None):
     """Greedy speculative outputs and tau over the prompts, with one cache for all (one graph)."""
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic)
-    G.setup_caches(model, head, max(len(p) for p in prompts) + MAX_NEW + nodes, scratch)
-    step = lambda h, t, n, P: G.spec_step(model, draft, accept, h, t, n, P)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree, dynamic)
+    sp.setup_caches(model, head, max(len(p) for p in prompts) + MAX_NEW + nodes, scratch)
+    step = lambda h, t, n, P: sp.spec_step(model, draft, accept, h, t, n, P)
     if compile_mode:
-        step = G.compile_step(step, DEVICE, compile_mode)
+        step = sp.compile_step(step, DEVICE, compile_mode)
     outs, tokens, steps = [], 0, 0
     for prompt in prompts:
         with torch.inference_mode():
-            first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-            outs.append(G.decode(step, state, first, MAX_NEW, tok.eos_id))
-        tokens, steps = tokens + len(outs[-1]) - 1, steps + G.decode.steps
+            first, state = sp.start(model, head, prompt, depth, dict(temperature=0.0))
+            out, k = sp.decode(step, state, first, MAX_NEW, tok.eos_id)
+            outs.append(out)
+        tokens, steps = tokens + len(out) - 1, steps + k
     return outs, tokens / steps
 
 
@@ -75,9 +76,9 @@ def test_compiled_steps_on_device_equal_autoregressive(smol, monkeypatch, no_rec
     outs, tau = spec_outputs(model, tok, head, prompts, None, (10, 6, 60), mode)
     assert outs == refs
     assert tau >= 1.3
-    G.setup_caches(model, None, max(len(p) for p in prompts) + MAX_NEW + 1)
-    ar = G.compile_step(lambda t, p: G.ar_step(model, t, p), DEVICE, mode)
+    sp.setup_caches(model, None, max(len(p) for p in prompts) + MAX_NEW + 1)
+    ar = sp.compile_step(lambda t, p: sp.ar_step(model, t, p), DEVICE, mode)
     for prompt, ref in zip(prompts, refs):
         with torch.inference_mode():
-            first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-            assert G.decode(ar, state, first, MAX_NEW, tok.eos_id) == ref
+            first, state = sp.start(model, None, prompt, 0, dict(temperature=0.0))
+            assert sp.decode(ar, state, first, MAX_NEW, tok.eos_id)[0] == ref

@@ -10,21 +10,21 @@ import pytest
 import torch
 
 import distill
-import generate
-from checkpoint import load_model
+from generate import load_model
 from conftest import DATA
+import speculate
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def greedy(model, prompt, max_new_tokens, eos_id):
-    """The engine's own unbatched greedy decoding: generate.prefill, ar_step, decode."""
+    """The engine's own unbatched greedy decoding: speculate.prefill, ar_step, decode."""
     model.setup_caches(1, len(prompt) + max_new_tokens)
     with torch.inference_mode():
-        first, h = generate.prefill(model, torch.tensor(prompt))
+        first, h = speculate.prefill(model, torch.tensor(prompt))
         state = (first, torch.tensor(len(prompt)))
-        return generate.decode(lambda t, p: generate.ar_step(model, t, p), state, int(first), max_new_tokens, eos_id)
+        return speculate.decode(lambda t, p: speculate.ar_step(model, t, p), state, int(first), max_new_tokens, eos_id)[0]
 
 
 def test_batched_generation_equals_unbatched(tiny):

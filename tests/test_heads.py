@@ -13,6 +13,8 @@ import torch
 import heads as H
 from model import ModelArgs
 from test_speculative import TINY, Oracle, ar_decode, make_head, spec_decode, tiny_model  # noqa: F401
+from checkpoint import HeadError, save_heads
+from generate import load_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +39,7 @@ def base():
 
 def write(head, folder, weights: str):
     """save_heads, then for .pt/.bin the same tensors with torch.save and the safetensors file deleted."""
-    H.save_heads(head, folder, base_model="org/tiny-base")
+    save_heads(head, folder, base_model="org/tiny-base")
     if not weights.endswith(".safetensors"):
         from safetensors.torch import load_file
         st = next(folder.glob("*.safetensors"))
@@ -117,7 +119,7 @@ def test_official_format_round_trip(name, base, tmp_path):
     head = make_head(kind, TINY, seed=len(name))
     folder = write(head, tmp_path / name, weights)
     check_layout(kind, head, folder, weights)
-    loaded = H.load_heads(folder, base)
+    loaded = load_heads(folder, base)
     assert type(loaded) is type(head)
     want, got = head.state_dict(), loaded.state_dict()
     assert set(got) == set(want)
@@ -146,7 +148,7 @@ def test_eagle_layout_is_hf_rotate_half(base, tmp_path):
     with torch.no_grad():  # visible attention: sharper q/k than std 0.02, and unit norm weights
         head.layer.block.attention.wqkv.weight.normal_(0, 0.3)
         head.layer.block.ffn_norm.weight.fill_(1.0)
-    H.save_heads(head, tmp_path)
+    save_heads(head, tmp_path)
     from safetensors.torch import load_file
     sd = {k.removeprefix("layers.0."): v for k, v in load_file(tmp_path / "model.safetensors").items()
           if k.startswith("layers.0.")}
@@ -184,9 +186,9 @@ PREFIX_DIM_BUG = ("heads.load_heads converts a prefix-mlp Hydra's prefix layer (
     ("eagle", OTHER_DIM, "hidden size"), ("eagle", OTHER_VOCAB, "vocab"),
 ])
 def test_head_for_another_base_model_is_refused(kind, other, what, base, tmp_path):
-    H.save_heads(make_head(kind, other), tmp_path)
-    with pytest.raises(H.HeadError) as e:
-        H.load_heads(tmp_path, base)
+    save_heads(make_head(kind, other), tmp_path)
+    with pytest.raises(HeadError) as e:
+        load_heads(tmp_path, base)
     msg = str(e.value)
     assert what in msg and "base model" in msg
     if what == "hidden size":
@@ -198,7 +200,7 @@ def test_head_for_another_base_model_is_refused(kind, other, what, base, tmp_pat
 def test_hub_id_goes_through_snapshot_download(base, tmp_path, monkeypatch):
     import huggingface_hub
     head = make_head("eagle", TINY, seed=5)
-    H.save_heads(head, tmp_path / "snapshot")
+    save_heads(head, tmp_path / "snapshot")
     calls = []
 
     def fake_snapshot_download(repo_id, **kwargs):
@@ -207,7 +209,7 @@ def test_hub_id_goes_through_snapshot_download(base, tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.chdir(tmp_path)  # "org/name" must not exist as a local folder
-    loaded = H.load_heads("org/name", base)
+    loaded = load_heads("org/name", base)
     assert [c[0] for c in calls] == ["org/name"]
     assert "*.safetensors" in calls[0][1].get("allow_patterns", [])
     assert all(torch.equal(a, b) for a, b in zip(drafts(head, base), drafts(loaded, base)))
@@ -216,13 +218,13 @@ def test_hub_id_goes_through_snapshot_download(base, tmp_path, monkeypatch):
         raise OSError("no network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
-    with pytest.raises(H.HeadError, match="cannot fetch heads org/other from the hub"):
-        H.load_heads("org/other", base)
+    with pytest.raises(HeadError, match="cannot fetch heads org/other from the hub"):
+        load_heads("org/other", base)
 
 
 def test_cli_with_a_saved_eagle_head_gives_the_autoregressive_output(default_model, run_cli, tmp_path):
     model, _ = default_model
-    H.save_heads(make_head("eagle", model.args, seed=9), tmp_path / "eagle", base_model="SmolLM2-135M-Instruct")
+    save_heads(make_head("eagle", model.args, seed=9), tmp_path / "eagle", base_model="SmolLM2-135M-Instruct")
     r = run_cli("--heads", tmp_path / "eagle", "--compare", "--max_new_tokens", 24,
                 "--prompt", "Tell me a short story about a brave cat.", timeout=600,
                 env={"OMP_NUM_THREADS": "1"})  # see conftest.one_thread
@@ -243,19 +245,19 @@ def test_context_tokens_join_the_draft_vocab(base, monkeypatch):
     lm_head rows, unused slots -inf; a new prompt clears them."""
     monkeypatch.setattr(H, "CTX", 4)
     head = H.set_draft_vocab(make_head("eagle", base.args, seed=1), base, torch.arange(0, 64, 2))  # V' = 32
-    H.note_context(head, base, torch.tensor([3, 4, 5, 3, 7]), reset=True)         # 4 is in the vocab, 3 twice
+    head.note_context(base, torch.tensor([3, 4, 5, 3, 7]), reset=True)         # 4 is in the vocab, 3 twice
     assert head.ctx_n.item() == 3 and head.ctx_ids[:3].tolist() == [3, 5, 7]
-    H.note_context(head, base, torch.tensor([7, 9, 11]), valid=torch.tensor([True, True, False]))
+    head.note_context(base, torch.tensor([7, 9, 11]), valid=torch.tensor([True, True, False]))
     assert head.ctx_n.item() == 4 and head.ctx_ids[:4].tolist() == [3, 5, 7, 9]
     x = torch.randn(2, base.args.dim)
-    logits = H.shared_logits(head, base, x)                                          # [2, V' + CTX]
-    ids = H.token_ids(head, torch.arange(32 + 4))
+    logits = head.shared_logits(base, x)                                          # [2, V' + CTX]
+    ids = head.token_ids(torch.arange(32 + 4))
     assert ids[32:].tolist() == [3, 5, 7, 9]
     torch.testing.assert_close(logits, base.output(x)[:, ids])
-    H.note_context(head, base, torch.tensor([13, 15, 17, 19, 21]), reset=True)       # more than CTX
-    assert head.ctx_n.item() == 4 and H.token_ids(head, torch.arange(32, 36)).tolist() == [13, 15, 17, 19]
-    H.note_context(head, base, torch.tensor([1]), reset=True)
-    logits = H.shared_logits(head, base, x)
+    head.note_context(base, torch.tensor([13, 15, 17, 19, 21]), reset=True)       # more than CTX
+    assert head.ctx_n.item() == 4 and head.token_ids(torch.arange(32, 36)).tolist() == [13, 15, 17, 19]
+    head.note_context(base, torch.tensor([1]), reset=True)
+    logits = head.shared_logits(base, x)
     assert torch.isinf(logits[:, 33:]).all()
     torch.testing.assert_close(logits[:, :33], base.output(x)[:, torch.cat([head.d2t, torch.tensor([1])])])
 
@@ -276,7 +278,7 @@ def test_shipped_heads_decode_exactly_and_get_drafts_accepted(default_model, nam
     trained head gets drafts accepted (a random head's tau is 1.0)."""
     from test_ngram import speculative_tau
     model, tok = default_model
-    head = H.load_heads(HEADS_DIR / name, model)
+    head = load_heads(HEADS_DIR / name, model)
     assert len(head.d2t) == 8192
     tau = speculative_tau(model, tok, head, "tree16", "Explain why the sky is blue, in three sentences.", n=64)
     assert tau > 1.2, tau  # measured: Medusa 1.40, Hydra 1.54 (after their --context stage), EAGLE 2.03 (after its stage on the steered-prompt data)
@@ -288,7 +290,7 @@ def test_shipped_heads_draft_the_prompts_rare_words(default_model, name):
     the context (note_context in the decode loop), and decoding stays exact."""
     from test_train import speculative_equals_autoregressive
     model, tok = default_model
-    head = H.load_heads(HEADS_DIR / name, model)
+    head = load_heads(HEADS_DIR / name, model)
     prompt = tok.encode(tok.chat([{"role": "user", "content":
                                    "Write one sentence that uses the words Zorblax, Quintavian and Merfleck."}]))
     drafted = []
@@ -308,12 +310,12 @@ def test_int8_heads_hold_the_stored_integers_and_draft_as_their_dequantized_weig
     import quantize as Q
     head = make_head(kind, TINY, seed=7)
     src = tmp_path / "float"
-    H.save_heads(head, src, base_model="org/tiny-base")
+    save_heads(head, src, base_model="org/tiny-base")
     out = Q.write_quantized_heads(src, tmp_path / "int8", base)
     stored = next(out.glob("*.safetensors"))
     assert stored.stat().st_size < 0.4 * next(src.glob("*.safetensors")).stat().st_size  # fp32 -> int8
     assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "int8"
-    loaded = H.load_heads(out, base)
+    loaded = load_heads(out, base)
     assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
     floats = dict(head.named_modules())
     dequant = make_head(kind, TINY, seed=7)
@@ -327,7 +329,7 @@ def test_int8_heads_hold_the_stored_integers_and_draft_as_their_dequantized_weig
     # in bf16 too: quantized before the head is cast, so from the stored values
     import copy
     int8 = {n: m.weight_int8 for n, m in loaded.named_modules() if isinstance(m, Q.WeightOnlyInt8Linear)}
-    loaded16 = H.load_heads(out, copy.deepcopy(base).bfloat16())
+    loaded16 = load_heads(out, copy.deepcopy(base).bfloat16())
     assert {n: m.weight_int8 for n, m in loaded16.named_modules() if isinstance(m, Q.WeightOnlyInt8Linear)}.keys() == int8.keys()
     assert all(torch.equal(m.weight_int8, int8[n]) for n, m in loaded16.named_modules() if n in int8)
     moved = sum((a - b).abs().max() > 0 for a, b in zip(drafts(head, base), drafts(loaded, base)))
@@ -343,8 +345,8 @@ def test_int8_heads_hold_the_stored_integers_and_draft_as_their_dequantized_weig
 
     with pytest.raises(Q.QuantizationError, match="already quantized"):
         Q.write_quantized_heads(out, tmp_path / "again", base)
-    with pytest.raises(H.HeadError, match="base model"):
-        H.load_heads(out, tiny_model(OTHER_DIM if kind != "hydra++" else OTHER_VOCAB, seed=3))
+    with pytest.raises(HeadError, match="base model"):
+        load_heads(out, tiny_model(OTHER_DIM if kind != "hydra++" else OTHER_VOCAB, seed=3))
 
 
 def test_int8_heads_draft_over_the_draft_vocabs_rows_in_int8(base, tmp_path):
@@ -353,14 +355,14 @@ def test_int8_heads_draft_over_the_draft_vocabs_rows_in_int8(base, tmp_path):
     the dequantized rows; the context's tokens keep the base's float rows."""
     import quantize as Q
     d2t = torch.arange(0, 64, 2)
-    H.save_heads(H.set_draft_vocab(make_head("eagle", base.args, seed=1), base, d2t), tmp_path / "float")
-    head = H.load_heads(Q.write_quantized_heads(tmp_path / "float", tmp_path / "int8", base), base)
+    save_heads(H.set_draft_vocab(make_head("eagle", base.args, seed=1), base, d2t), tmp_path / "float")
+    head = load_heads(Q.write_quantized_heads(tmp_path / "float", tmp_path / "int8", base), base)
     rows = base.output.weight[d2t]
     q, s = Q.quantize_int8(rows)
     assert torch.equal(head.draft_lm.weight_int8, q) and type(head.draft_lm) is Q.WeightOnlyInt8Linear  # no float rows
-    H.note_context(head, base, torch.tensor([3, 5]), reset=True)
+    head.note_context(base, torch.tensor([3, 5]), reset=True)
     x = torch.randn(2, base.args.dim)
-    logits = H.shared_logits(head, base, x)
+    logits = head.shared_logits(base, x)
     torch.testing.assert_close(logits[:, :32], x @ Q.dequantize_int8(q, s).T, rtol=1e-5, atol=1e-5)
     assert (logits[:, :32] - x @ rows.T).abs().max() > 0
     torch.testing.assert_close(logits[:, 32:34], base.output(x)[:, [3, 5]])

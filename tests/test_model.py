@@ -1,13 +1,16 @@
 """The model against transformers (logit parity), the KV cache against a full forward, tree-style
 masked calls against plain causal ones, and compiled decode against eager."""
+import copy
 import gc
 
 import pytest
 import torch
 
+import cpu_kernels as ck
 import generate
-from checkpoint import load_model
-from generate import ar_step, decode, prefill
+from generate import load_model
+from speculate import ar_step, decode, prefill
+import speculate
 
 TOL = 1e-3
 
@@ -113,17 +116,21 @@ def test_incremental_decoding_equals_full_forward(tiny_model):
     assert (incremental - full).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("tree_sdpa", [False, True])
-def test_tree_mask_call_equals_plain_causal_calls(tiny_model, tree_sdpa):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_tree_mask_call_equals_plain_causal_calls(tiny_model, gathered):
     """Four draft nodes in cache slots P..P+3: two paths of depth 2, a->b and c->d.
     Node i sits at slot P+i with RoPE position P+depth and sees the prefix, its ancestors and itself.
-    tree_sdpa: the tree mask gathered into the cache slots for SDPA (as on AMX CPUs in bf16), or tree_attention."""
+    gathered: the tree mask gathered into the cache slots for SDPA (cpu_kernels.TileTransformer, as on AMX
+    CPUs in bf16), or tree_attention."""
     torch.manual_seed(3)
     P, S = 10, 32
     prefix = torch.randint(0, tiny_model.args.vocab_size, (P,))
     a, b, c, d = torch.randint(0, tiny_model.args.vocab_size, (4,)).tolist()
     tiny_model.setup_caches(1, S)
-    tiny_model.tree_sdpa = tree_sdpa
+    verifier = tiny_model
+    if gathered:  # the same modules and caches
+        verifier = copy.copy(tiny_model)
+        verifier.__class__ = ck.TileTransformer
     with torch.no_grad():
         tiny_model(prefix[None], torch.arange(P))
         tree_tokens = torch.tensor([[a, b, c, d]])
@@ -136,7 +143,7 @@ def test_tree_mask_call_equals_plain_causal_calls(tiny_model, tree_sdpa):
         tree = tiny_model(tree_tokens, P + depth, mask=mask, cache_pos=P + torch.arange(4))[0]
         # as spec_step calls it: the prefix slots, and the tree's own rows through tree_mask
         tree_mask = mask[:, P:P + 4]
-        by_tree_mask = tiny_model(tree_tokens, P + depth, mask=torch.arange(S)[None, :] < P,
+        by_tree_mask = verifier(tree_tokens, P + depth, mask=torch.arange(S)[None, :] < P,
                                   cache_pos=P + torch.arange(4), tree_mask=tree_mask)[0]
 
         # The same paths as plain causal calls after the same prefix (each overwrites slots P, P+1).
@@ -174,11 +181,11 @@ def test_compiled_decode_gives_the_same_greedy_tokens_as_eager(default_model, no
     def run(step, span=None):
         with torch.inference_mode():
             token = prefill(model, ids)[0]
-            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None, span=span)
+            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None, span=span)[0]
 
     eager = run(lambda t, p: ar_step(model, t, p))
-    compiled_step = generate.compile_step(lambda t, p, span: ar_step(model, t, p, span=span), "cpu", mode="default")
-    compiled = run(compiled_step, (generate.live_span(model, 1, block=32), len(ids)))
+    compiled_step = speculate.compile_step(lambda t, p, span: ar_step(model, t, p, span=span), "cpu", mode="default")
+    compiled = run(compiled_step, (speculate.live_span(model, 1, block=32), len(ids)))
     assert len(eager) == n
     assert compiled == eager
 
@@ -190,7 +197,7 @@ def test_lean_guards_keep_inputs_and_buffers_but_not_weights_or_packed_copies():
     guards = [g("L['t']", torch.zeros(1), module=False), g("G['m']._buffers['k_cache']", torch.zeros(1)),
               g("G['m']._modules['w']._buffers['packed']", torch.zeros(1)),
               g("G['m']._parameters['weight']", torch.nn.Parameter(torch.zeros(1))), g("G['m'].training", False)]
-    assert generate.lean_guards(guards) == [True, True, False, False, False]
+    assert speculate.lean_guards(guards) == [True, True, False, False, False]
 
 
 def test_compiled_step_recompiles_for_longer_caches(tiny_model):
@@ -200,13 +207,13 @@ def test_compiled_step_recompiles_for_longer_caches(tiny_model):
     torch._dynamo.reset()
     torch.manual_seed(4)
     ids = torch.randint(0, tiny_model.args.vocab_size, (6,))
-    step = generate.compile_step(lambda t, p: ar_step(tiny_model, t, p), "cpu", mode="default")
+    step = speculate.compile_step(lambda t, p: ar_step(tiny_model, t, p), "cpu", mode="default")
 
     def run(step, n):
         tiny_model.setup_caches(1, len(ids) + n)
         with torch.inference_mode():
             token = prefill(tiny_model, ids)[0]
-            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None)
+            return decode(step, (token, torch.tensor(len(ids))), int(token), n, eos_id=None)[0]
 
     frames = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert run(step, 4) == run(lambda t, p: ar_step(tiny_model, t, p), 4)

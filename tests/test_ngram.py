@@ -3,10 +3,11 @@ with it is exact and, on repetitive text, accepts long paths."""
 import pytest
 import torch
 
-import generate as G
-from heads import NGram, WithLookup, load_heads
+from generate import load_heads
+from heads import NGram, WithLookup
 from model import Transformer
 from test_speculative import TINY
+import speculate as sp
 
 
 def proposal(ngram, context, depth=4):
@@ -55,18 +56,18 @@ def test_lookup_counts_replay_the_drafter(seed):
 
 def speculative_tau(model, tok, head, tree, text, n=64, dynamic=None):
     """Greedy speculative decoding of a chat prompt; asserts it equals autoregressive decoding; -> tau."""
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree, dynamic)
     prompt = torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}])))
     S = len(prompt) + n + nodes
     with torch.inference_mode():
-        G.setup_caches(model, None, S)
-        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-        ref = G.decode(lambda t, p: G.ar_step(model, t, p), state, first, n, tok.eos_id)
-        G.setup_caches(model, head, S, scratch)
-        first, state = G.start(model, head, prompt, depth, dict(temperature=0.0))
-        out = G.decode(lambda h, t, k, P: G.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
+        sp.setup_caches(model, None, S)
+        first, state = sp.start(model, None, prompt, 0, dict(temperature=0.0))
+        ref, _ = sp.decode(lambda t, p: sp.ar_step(model, t, p), state, first, n, tok.eos_id)
+        sp.setup_caches(model, head, S, scratch)
+        first, state = sp.start(model, head, prompt, depth, dict(temperature=0.0))
+        out, steps = sp.decode(lambda h, t, k, P: sp.spec_step(model, draft, accept, h, t, k, P), state, first, n, tok.eos_id)
     assert out == ref
-    return (len(out) - 1) / G.decode.steps
+    return (len(out) - 1) / steps
 
 
 DAYS = "List the days of the week, each with one sentence about it."

@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import bench
 import checkpoint
 import generate as G
 import quantize as Q
 from conftest import ROOT
 from test_speculative import Oracle, ar_decode, cut, make_head, spec_decode
+import speculate as sp
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,7 +110,7 @@ def test_int4_g32_from_the_gguf_is_the_default_model_in_fp32(int4_g32, default_m
     quantized model's logits are the default model's, bit for bit (its float weights are the same
     Q4_1 blocks dequantized)."""
     assert checkpoint.quantization(int4_g32)["source"].startswith("Q4_1 blocks")
-    model, _ = checkpoint.load_model(int4_g32, "cpu", torch.float32)
+    model, _ = G.load_model(int4_g32, "cpu", torch.float32)
     base, tok = default_model
     ids = torch.tensor([tok.encode("The capital of France is")])
     with torch.inference_mode():
@@ -118,11 +120,11 @@ def test_int4_g32_from_the_gguf_is_the_default_model_in_fp32(int4_g32, default_m
 
 
 def test_quality_report_in_fp32_isolates_the_schemes_error(int4_g32, tmp_path):
-    """quantize.evaluate in fp32 on two held-out answers: int4-g32 from the GGUF holds the reference's
+    """bench.quality in fp32 on two held-out answers: int4-g32 from the GGUF holds the reference's
     very weights (KL 0, same top-1 everywhere, the same perplexity); int8 quantizes them again (a small
     KL above 0, the top-1 nearly always kept)."""
     int8 = Q.write_quantized(None, tmp_path / "int8", "int8")
-    rows, n, positions = Q.evaluate([int4_g32, int8], n=2, dtype=torch.float32)
+    rows, n, positions = bench.quality([int4_g32, int8], n=2, dtype=torch.float32)
     g32, i8 = rows
     assert n == 2 and positions > 50
     assert g32["kl_mean"] == 0 and g32["kl_p99"] == 0 and g32["same_top1"] == 1 and g32["ppl"] == g32["ppl_ref"]
@@ -154,12 +156,12 @@ def test_checkpoint_round_trips_through_save_and_load(tiny, tmp_path, mode, grou
     out = Q.write_quantized(tiny, tmp_path / "q", mode, groupsize, lm_head)
     assert checkpoint.quantization(out) == {"mode": mode, "groupsize": groupsize if mode == "int4" else None,
                                             "lm_head": lm_head, "source": "quantized from the float weights"}
-    src, _ = checkpoint.load_model(tiny)
+    src, _ = G.load_model(tiny)
     ref = dequantized_copy(out)
     ids = torch.tensor([[5, 77, 3, 120, 9, 33, 200, 1]])
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
-            model, tok = checkpoint.load_model(out, "cpu", dtype)
+            model, tok = G.load_model(out, "cpu", dtype)
             cls = Q.WeightOnlyInt8Linear if mode == "int8" else Q.WeightOnlyInt4Linear
             assert isinstance(model.layers[1].feed_forward.w2, cls)
             assert isinstance(model.output, Q.WeightOnlyInt8Linear) == (lm_head == "int8")
@@ -182,7 +184,7 @@ def test_greedy_speculative_on_a_quantized_base_equals_its_autoregressive_output
     """int8 (with the lm_head) of the default model, in fp32: the dequantized weights go through F.linear,
     so the fp32 exactness argument of test_speculative holds. EAGLE tree16 with the oracle drafter."""
     out_dir = Q.write_quantized(None, tmp_path / "int8", "int8", lm_head="int8")
-    model, tok = checkpoint.load_model(out_dir, "cpu", torch.float32)
+    model, tok = G.load_model(out_dir, "cpu", torch.float32)
     oracle = Oracle(make_head("eagle", model.args, seed=2), model.args.vocab_size, seed=4)
     n_tokens = n_steps = 0
     for text in ["Tell me a short story about a brave cat.", "List five fruits that are red."]:
@@ -197,25 +199,25 @@ def test_greedy_speculative_on_a_quantized_base_equals_its_autoregressive_output
 
 
 def test_compiled_step_on_a_quantized_model_compiles_fullgraph(tiny, tmp_path, no_recompiles):
-    """int4 layers and an int8 lm_head, bf16 (torch's kernels): generate.compile_step's fullgraph
+    """int4 layers and an int8 lm_head, bf16 (torch's kernels): sp.compile_step's fullgraph
     autoregressive step gives the eager step's tokens. One shape."""
     import torch._dynamo
     out_dir = Q.write_quantized(tiny, tmp_path / "q", "int4", 32, "int8")
-    model, _ = checkpoint.load_model(out_dir, "cpu", torch.bfloat16)
+    model, _ = G.load_model(out_dir, "cpu", torch.bfloat16)
     prompt = torch.tensor([5, 77, 3, 120, 9, 33])
     with torch.inference_mode():
         eager = ar_decode(model, prompt, 12)
-        step = G.compile_step(lambda t, p: G.ar_step(model, t, p), "cpu", mode="default")
-        first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-        assert G.decode(step, state, first, 12) == eager
+        step = sp.compile_step(lambda t, p: sp.ar_step(model, t, p), "cpu", mode="default")
+        first, state = sp.start(model, None, prompt, 0, dict(temperature=0.0))
+        assert sp.decode(step, state, first, 12)[0] == eager
     torch._dynamo.reset()
 
 
 def test_speed_times_each_base_side_by_side(tiny, tmp_path):
-    """quantize.py --speed: the float base and a quantized one, AR and speculative (prompt lookup on
+    """bench.py quantized: the float base and a quantized one, AR and speculative (prompt lookup on
     chain4), measured in turns (eager here: the compiled runs are the benchmark's)."""
     out = Q.write_quantized(tiny, tmp_path / "q", "int8")
-    rows = Q.speed([out], tiny, heads="ngram", tree="chain4", n=8, runs=2, compiled=False)
+    rows = bench.quantized_speed([out], tiny, heads="ngram", tree="chain4", n=8, runs=2, compiled=False)
     names = [r[0] for r in rows]
     assert names == [f"{tiny}, AR", f"{tiny}, ngram chain4", f"{out}, AR", f"{out}, ngram chain4"]
     assert all(rate > 0 and tau >= 1 for _, rate, tau, _ in rows) and rows[0][3] == 1.0
@@ -233,8 +235,7 @@ def test_cli_errors_are_one_line_and_exit_2(tiny, tmp_path):
     cases = [(["--mode", "int3"], "unknown --mode int3"),
              (["--mode", "int4", "--groupsize", "128"], "does not divide the 64 in-features"),
              (["--mode", "int4", "--groupsize", "48"], "--groupsize 48 is not one of"),
-             (["--mode", "int8", "--checkpoint", done], "is already quantized"),
-             (["--speed", done, "--llama_cpp", tmp_path / "none.gguf"], "no such GGUF file")]
+             (["--mode", "int8", "--checkpoint", done], "is already quantized")]
     for extra, message in cases:
         args = ["--out", tmp_path / "x", *extra]
         if "--checkpoint" not in extra:
@@ -248,18 +249,18 @@ def test_llama_cpp_without_its_package_is_refused_before_any_work(tiny, monkeypa
     """--llama_cpp needs llama-cpp-python, which the engine never depends on: one line, exit 2, before
     any model is loaded or compiled."""
     gguf = str(checkpoint.default_checkpoint())
-    monkeypatch.setattr(Q.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(Q, "speed", lambda *a, **k: pytest.fail("speed() ran"))
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(bench, "quantized_speed", lambda *a, **k: pytest.fail("quantized_speed() ran"))
     with pytest.raises(SystemExit) as e:
-        Q.main(["--speed", str(tiny), "--llama_cpp", gguf])
+        bench.main(["quantized", str(tiny), "--llama_cpp", gguf])
     assert e.value.code == 2 and "needs llama-cpp-python" in capsys.readouterr().err
 
 
 def test_llama_cpp_engine_decodes_the_default_gguf():
     """Where llama-cpp-python is installed (a benchmark tool, not in CI's requirements): the engine
-    quantize.py --speed --llama_cpp times runs greedy decoding on the embedded GGUF."""
+    bench.py quantized --llama_cpp times runs greedy decoding on the embedded GGUF."""
     pytest.importorskip("llama_cpp")
-    rate, tau = Q.llama_cpp(checkpoint.default_checkpoint(), torch.tensor([1, 504, 3437, 314]), 8)()
+    rate, tau = bench.llama_cpp(checkpoint.default_checkpoint(), torch.tensor([1, 504, 3437, 314]), 8)()
     assert rate > 0 and tau == 1.0
 
 
@@ -267,21 +268,20 @@ def test_a_device_without_the_kernels_is_refused(tiny, tmp_path, monkeypatch):
     out_dir = Q.write_quantized(tiny, tmp_path / "q", "int4", 32)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     with pytest.raises(checkpoint.CheckpointError, match="compute capability 8.0"):
-        checkpoint.load_model(out_dir, "cuda", torch.bfloat16)
+        G.load_model(out_dir, "cuda", torch.bfloat16)
     with pytest.raises(checkpoint.CheckpointError, match="run on cpu or cuda, not meta"):
-        checkpoint.load_model(out_dir, "meta", torch.bfloat16)
+        G.load_model(out_dir, "meta", torch.bfloat16)
 
 
 def test_cli_writes_int8_heads_into_the_quantized_checkpoint(tiny, tmp_path):
     """quantize.py --mode int4 --heads DIR --out OUT: OUT/<DIR's name> holds the heads in int8, which
     load on the quantized base in bf16 (torch's int8 kernel); quantizing them again is refused."""
-    import heads as H
     src = tmp_path / "eagle-tiny"
-    H.save_heads(make_head("eagle", checkpoint.load_model(tiny)[0].args, seed=1), src)
+    checkpoint.save_heads(make_head("eagle", G.load_model(tiny)[0].args, seed=1), src)
     r = run_quantize("--mode", "int4", "--checkpoint", tiny, "--heads", src, "--out", tmp_path / "q")
     assert r.returncode == 0, r.stderr
-    base, _ = checkpoint.load_model(tmp_path / "q", "cpu", torch.bfloat16)
-    head = H.load_heads(tmp_path / "q" / "eagle-tiny", base)
+    base, _ = G.load_model(tmp_path / "q", "cpu", torch.bfloat16)
+    head = G.load_heads(tmp_path / "q" / "eagle-tiny", base)
     assert isinstance(head.fc, Q.WeightOnlyInt8Linear) and head.fc.kernel == "cpu"
     r = run_quantize("--mode", "int8", "--checkpoint", tiny, "--heads", tmp_path / "q" / "eagle-tiny",
                      "--out", tmp_path / "q2")

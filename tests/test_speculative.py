@@ -19,6 +19,7 @@ import generate as G
 import heads as H
 import trees as T
 from model import ModelArgs, Transformer
+import speculate as sp
 
 # ---------------------------------------------------------------- shared helpers
 
@@ -67,7 +68,7 @@ def make_head(kind: str, args: ModelArgs, seed: int = 0, num_heads: int = 4) -> 
     return randomize(head, seed)
 
 
-class Oracle(nn.Module):
+class Oracle(H.Drafter):
     """Test-only drafter with a high acceptance rate. It runs the real head's begin/expand (so the
     head's cache and state paths are exercised, EAGLE's catch-up over accepted paths of length up to
     depth+1 included) and adds a large bonus to the logits of the TRUE next token, read from the
@@ -101,8 +102,8 @@ class Oracle(nn.Module):
         return self.inner.cache_len
 
     @property
-    def num_heads(self):  # AttributeError for EAGLE, as for the bare head: speculator's getattr default
-        return self.inner.num_heads
+    def max_depth(self):
+        return self.inner.max_depth
 
     def setup_caches(self, max_seq_len):
         self.inner.setup_caches(max_seq_len)
@@ -132,24 +133,24 @@ def spec_decode(model, head, prompt, max_new, eos=None, tree="tree16", dynamic=N
                 temperature=0.0, cache_len=None, step_wrapper=None):
     """Speculative decode with the cache sized exactly prompt + max_new + tree nodes (the minimum).
     Returns (new tokens, per-step [(tokens[:count] list, count)])."""
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, tree, dynamic, acceptance, temperature)
-    G.setup_caches(model, head, cache_len or len(prompt) + max_new + nodes, scratch)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree, dynamic, acceptance, temperature)
+    sp.setup_caches(model, head, cache_len or len(prompt) + max_new + nodes, scratch)
     steps = []
 
     def step(h, t, n, P):
-        tokens, count, state = G.spec_step(model, draft, accept, h, t, n, P)
+        tokens, count, state = sp.spec_step(model, draft, accept, h, t, n, P)
         steps.append((tokens[: int(count)].tolist(), int(count)))
         return tokens, count, state
 
-    first, state = G.start(model, head, prompt, depth, dict(temperature=temperature))
-    out = G.decode(step_wrapper(step) if step_wrapper else step, state, first, max_new, eos)
+    first, state = sp.start(model, head, prompt, depth, dict(temperature=temperature))
+    out, _ = sp.decode(step_wrapper(step) if step_wrapper else step, state, first, max_new, eos)
     return out, steps
 
 
 def ar_decode(model, prompt, max_new, eos=None):
-    G.setup_caches(model, None, len(prompt) + max_new + 1)
-    first, state = G.start(model, None, prompt, 0, dict(temperature=0.0))
-    return G.decode(lambda t, p: G.ar_step(model, t, p), state, first, max_new, eos)
+    sp.setup_caches(model, None, len(prompt) + max_new + 1)
+    first, state = sp.start(model, None, prompt, 0, dict(temperature=0.0))
+    return sp.decode(lambda t, p: sp.ar_step(model, t, p), state, first, max_new, eos)[0]
 
 
 def cut(tokens, max_new, eos):
@@ -288,7 +289,7 @@ def test_bf16_eagle_oracle_diverges_only_at_bf16_near_ties(smol):
     of four logits within 0.25, 0.21 below the top). 4 ulps leaves room; a real bug (a wrong mask,
     position or cache slot) moves logits by O(1) and parts the outputs far from a tie.
     A run whose outputs do not part passes trivially (reported), and must show long accepted paths."""
-    from checkpoint import load_model
+    from generate import load_model
     model, tok = load_model(None, "cpu", torch.bfloat16)
     head = make_head("eagle", model.args, seed=7).to(torch.bfloat16)
     oracle = Oracle(head, model.args.vocab_size, seed=3)
@@ -337,21 +338,21 @@ def test_compiled_eagle_tree_step_equals_autoregressive(smol, monkeypatch, no_re
     oracle = Oracle(smol.head("eagle"), model.args.vocab_size, seed=5)
     names, max_new = ["fruits", "solve"], 32
     refs = {name: smol.ref(name) for name in names}  # before the caches are sized: ar_decode resizes them
-    draft, accept, depth, nodes, scratch = G.speculator(model, oracle, "tree10")
+    draft, accept, depth, nodes, scratch = sp.speculator(model, oracle, "tree10")
     S = max(len(smol.prompt(n)) for n in names) + max_new + nodes
-    G.setup_caches(model, oracle, S, scratch)
-    step = G.compile_step(lambda h, t, n, P, span: G.spec_step(model, draft, accept, h, t, n, P, span), "cpu",
+    sp.setup_caches(model, oracle, S, scratch)
+    step = sp.compile_step(lambda h, t, n, P, span: sp.spec_step(model, draft, accept, h, t, n, P, span), "cpu",
                           mode="default")
-    span = G.live_span(model, nodes, block=16)
+    span = sp.live_span(model, nodes, block=16)
     taus = []
     for name in names:
         prompt, ref = smol.prompt(name), refs[name]
         oracle.set_truth(prompt.tolist() + ref)
         with torch.inference_mode():
-            first, state = G.start(model, oracle, prompt, depth, dict(temperature=0.0))
-            out = G.decode(step, state, first, max_new, eos, span=(span, len(prompt)))
+            first, state = sp.start(model, oracle, prompt, depth, dict(temperature=0.0))
+            out, steps = sp.decode(step, state, first, max_new, eos, span=(span, len(prompt)))
         assert out == cut(ref, max_new, eos), name
-        taus.append((len(out) - 1) / G.decode.steps)
+        taus.append((len(out) - 1) / steps)
     print(f"compiled EAGLE tree10 oracle: tau {', '.join(f'{t:.2f}' for t in taus)}")
     # both high: the second prompt's truth reached the graph (not frozen in as a constant), and
     # accepted paths of several tokens were compacted inside the graph
@@ -548,19 +549,19 @@ def sample_pairs(s, acceptance, runs, seed, **kw):
     """Runs speculative decoding `runs` times from the same prefill (the prefix cache is never written
     by a step) and counts the two tokens it emits after the first."""
     model, head = s.model, s.head
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, "tree16", None, acceptance, TEMP, **kw)
-    G.setup_caches(model, head, len(s.prompt) + 3 + nodes + 1, scratch)
-    step = lambda h, t, n, P: G.spec_step(model, draft, accept, h, t, n, P)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, "tree16", None, acceptance, TEMP, **kw)
+    sp.setup_caches(model, head, len(s.prompt) + 3 + nodes + 1, scratch)
+    step = lambda h, t, n, P: sp.spec_step(model, draft, accept, h, t, n, P)
     counts = torch.zeros(8, 8, dtype=torch.float64)
     accepted = 0
     torch.manual_seed(seed)
     with torch.inference_mode():
-        first, state = G.start(model, head, s.prompt, depth, dict(temperature=0.0))
+        first, state = sp.start(model, head, s.prompt, depth, dict(temperature=0.0))
         assert first == s.first
         for _ in range(runs):
-            out = G.decode(step, state, first, 3)
+            out, steps = sp.decode(step, state, first, 3)
             counts[out[1], out[2]] += 1
-            accepted += G.decode.steps == 1
+            accepted += steps == 1
     return counts, accepted / runs
 
 
@@ -697,36 +698,36 @@ def test_step_costs_are_measured_once_per_key(tmp_path):
 
 
 def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatch):
-    """compiler times the one-row forward with each of GEMMS (once per machine and model, cached) and
-    compiles every step with the faster; without max-autotune, or on CUDA, there is no choice."""
+    """gemm_choice times the one-row forward with each of GEMMS (once per machine and model, cached) and
+    compiler compiles every step with the faster; without max-autotune, or on CUDA, there is no choice."""
     import checkpoint
     monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path)
     model, seen = tiny_model(), []
-    monkeypatch.setattr(G, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
-    for fastest in G.GEMMS:
+    monkeypatch.setattr(sp, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
+    for fastest in costs.GEMMS:
         def step_costs(m, head, compiled, rows=costs.ROWS, **k):  # what each choice costs: known here
             compiled(None)
             return {N: 0.01 if seen[-1] == fastest else 0.02 for N in rows}, {}
         monkeypatch.setattr(costs, "step_costs", step_costs)
-        f = G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}")
-        assert f.gemm == fastest and set(seen) == set(G.GEMMS)
+        f = costs.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}")
+        assert set(seen) == set(costs.GEMMS)
         seen.clear()
         f(lambda: None)
         assert seen == [fastest]
         monkeypatch.setattr(costs, "step_costs", lambda *a, **k: pytest.fail("the choice was timed again"))
-        assert G.compiler(model, "cpu", checkpoint=f"ckpt-{fastest}").gemm == fastest
+        assert costs.gemm_choice(model, "cpu", checkpoint=f"ckpt-{fastest}") == fastest
         seen.clear()
-    assert G.compiler(model, "cpu", mode="default").gemm is None   # no max-autotune: nothing to choose
+    assert costs.gemm_choice(model, "cpu", mode="default") is None   # no max-autotune: nothing to choose
     assert ck.torch_gemms(model)
     for m in model.modules():  # every projection our kernel (as cpu_kernels.install makes them on AVX2): nothing either
         if type(m) is nn.Linear:
             m.__class__ = ck.WideLinear
-    assert not ck.torch_gemms(model) and G.compiler(model, "cpu", checkpoint="ours").gemm is None
+    assert not ck.torch_gemms(model) and costs.gemm_choice(model, "cpu", checkpoint="ours") is None
     import quantize as Q  # a weight-only int8 linear multiplies in torch's kernels: there is a choice again
     model.output = Q.WeightOnlyInt8Linear(torch.zeros(TINY.vocab_size, TINY.dim, dtype=torch.int8),
                                           torch.ones(TINY.vocab_size))
     assert ck.torch_gemms(model)
-    assert G.compiler(model, "cuda").gemm is None                  # CUDA graphs: nothing to choose
+    assert costs.gemm_choice(model, "cuda") is None                  # CUDA graphs: nothing to choose
 
 
 def test_step_costs_compile_two_graphs_for_any_number_of_row_counts():
@@ -760,7 +761,7 @@ def test_step_costs_compile_the_one_row_forward_once_for_every_call():
 
 def test_auto_times_the_whole_steps_that_generation_then_compiles():
     """--tree auto times the whole decode steps beside its tables, compiled; generation then compiles
-    the same steps again. Both size the caches alike on a CPU (G.SLOTS), so they are the same graphs
+    the same steps again. Both size the caches alike on a CPU (sp.SLOTS), so they are the same graphs
     (the same inputs, shapes included) and inductor's cache hands generation what the timing compiled:
     20 s a step there against 90 to compile it (2-core Zen 3). Trees of near sizes timed together
     (auto's near trees) share the head cache's length, so this holds for each of them."""
@@ -778,15 +779,15 @@ def test_auto_times_the_whole_steps_that_generation_then_compiles():
                      trees=[[[0], [1], [2], [0, 0], [0, 0, 0], [0, 0, 0, 0]], paths])  # (the larger first)
     timed = len(graphs)  # the one-row forward, the plain step, the two tree steps
     # generation, as generate.run sets it up for a short prompt
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, paths)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, paths)
     prompt = torch.tensor([5, 17, 3, 44, 8, 21])
-    G.setup_caches(model, head, G.cache_size(len(prompt), 24, nodes, args.max_seq_len), scratch)
-    ar = compiled(lambda token, pos, span=None: G.ar_step(model, token, pos, span=span))
-    step = compiled(lambda h, t, n, P, span=None: G.spec_step(model, draft, accept, h, t, n, P, span))
+    sp.setup_caches(model, head, G.cache_size(len(prompt), 24, nodes, args.max_seq_len), scratch)
+    ar = compiled(lambda token, pos, span=None: sp.ar_step(model, token, pos, span=span))
+    step = compiled(lambda h, t, n, P, span=None: sp.spec_step(model, draft, accept, h, t, n, P, span))
     greedy = dict(temperature=0.0)
     with torch.inference_mode():
-        out = G.decode(step, G.start(model, head, prompt, depth, greedy)[1], 0, 12, span=(G.live_span(model, nodes), 6))
-        ref = G.decode(ar, G.start(model, None, prompt, 0, greedy)[1], 0, 12, span=(G.live_span(model, 1), 6))
+        out, _ = sp.decode(step, sp.start(model, head, prompt, depth, greedy)[1], 0, 12, span=(sp.live_span(model, nodes), 6))
+        ref, _ = sp.decode(ar, sp.start(model, None, prompt, 0, greedy)[1], 0, 12, span=(sp.live_span(model, 1), 6))
     assert out == ref
     assert timed == 4 and len(graphs) > timed
     assert all(g in graphs[:timed] for g in graphs[timed:]), "generation compiled a step that auto did not time"
@@ -825,18 +826,18 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     folder.mkdir()
     paths = [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]   # a made-up, very good head
     (folder / "acceptance.json").write_text(json.dumps(dict(roots=10, paths=paths, counts=[9, 1, 8, 7, 6])))
-    tree = G.resolve_tree(model, head, folder, "auto", "cpu")
+    tree, choice = G.resolve_tree(model, head, folder, "auto", "cpu")
     assert tree is None or (tree and all(p in paths for p in tree))
     assert list((tmp_path / "cache").glob("step-costs-*.json"))
     if tree is not None:  # the size chosen was timed itself
         verify, _ = costs.measured_costs(model, None, folder, "cpu")
-        assert G.resolve_tree.choice["nodes"] in verify
+        assert choice["nodes"] in verify
     monkeypatch.setattr(costs, "step_costs", lambda *a, **k: pytest.fail("the cached costs were measured again"))
-    assert G.resolve_tree(model, head, folder, "auto", "cpu") == tree  # the choice is kept: nothing timed
+    assert G.resolve_tree(model, head, folder, "auto", "cpu")[0] == tree  # the choice is kept: nothing timed
     assert list((tmp_path / "cache").glob("tree-auto-*.json"))
     if tree is not None:  # the whole steps were timed (eager, real) beside the forwards, and cached
         verify, _ = costs.measured_costs(model, None, folder, "cpu")
-        c = G.resolve_tree.choice
+        c = choice
         (o_ar, o_spec), (_, t_draft) = c["overhead"], costs.measured_costs(model, head, folder, "cpu", depths=(1, 4))
         assert abs(o_ar) < verify[1] and abs(o_spec) < 5 * verify[1]  # (a tiny model: either sign)
         assert c["speedup"] == pytest.approx(c["tau"] * (verify[1] + o_ar) / (
@@ -849,13 +850,13 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, trees=(), **k:
                         timed.append(list(rows)) or ({N: 2e-3 * N for N in rows}, {d: 1e-3 * d for d in depths},
                                                      {"ar": 2.5e-3, "spec": [9e-3] * len(trees)} if trees else {}))
-    G.resolve_tree(model, head, other, "auto", "cpu")
+    _, choice = G.resolve_tree(model, head, other, "auto", "cpu")
     # the draft beside one row (its times in the verify table's units), then the chosen tree's whole step
     # beside one row
     assert all(rows == [1] for rows in timed), timed
     verify, t_draft = costs.measured_costs(model, head, other, "cpu", depths=(1,))
     assert t_draft[1] == pytest.approx(1e-3 * verify[1] / 2e-3)
-    c = G.resolve_tree.choice
+    c = choice
     if c["paths"] is not None:  # a tree is predicted at its whole step (9 ms beside a 2 ms row, in the tables' units)
         verify, t_draft = costs.measured_costs(model, head, other, "cpu", depths=(1, 4))
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / "fresh")
@@ -869,10 +870,10 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
         assert spec_decode(model, head, prompt, 24, tree=tree)[0] == ar_decode(model, prompt, 24)
     kept = len(list((tmp_path / "cache").glob("tree-auto-*.json")))
     (folder / "acceptance.json").write_text(json.dumps(dict(roots=10, paths=paths, counts=[9, 0, 0, 0, 0])))
-    G.resolve_tree(model, head, folder, "auto", "cpu")    # new acceptance: chosen again, kept beside the old
+    _, choice = G.resolve_tree(model, head, folder, "auto", "cpu")    # new acceptance: chosen again, kept beside the old
     assert len(list((tmp_path / "cache").glob("tree-auto-*.json"))) == kept + 1
     (folder / "acceptance.json").unlink()                 # no measured acceptance: the old default
-    assert G.resolve_tree(model, head, folder, "auto", "cpu") == "tree16"
+    assert G.resolve_tree(model, head, folder, "auto", "cpu")[0] == "tree16"
 
 
 def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
@@ -892,8 +893,7 @@ def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "step_costs", lambda m, h, c, rows=costs.ROWS, depths=costs.DEPTHS, trees=(), **k:
                         timed.append(list(rows)) or ({N: f(N) for N in rows}, {d: 0.2e-3 * d for d in depths},
                                                      {"ar": 2.1e-3, "spec": [3e-3] * len(trees)} if trees else {}))
-    G.resolve_tree(model, head, folder, "auto", "cpu")
-    c = G.resolve_tree.choice
+    _, c = G.resolve_tree(model, head, folder, "auto", "cpu")
     assert timed[0] == list(range(1, 33)) + [48, 64] and all(rows == [1] for rows in timed[1:]), timed
     _, t_draft = costs.measured_costs(model, head, folder, "cpu", depths=(1, 2))
     counts = {tuple(p): n for p, n in zip(acc["paths"], acc["counts"])}
@@ -927,7 +927,7 @@ def test_auto_tree_times_the_near_trees_whole(tmp_path, monkeypatch, capsys):
                     {"ar": 2e-3, "spec": [f(t) for t in trees]} if trees else {})
         monkeypatch.setattr(costs, "step_costs", step_costs)
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{len(timed)}")
-        return G.resolve_tree(model, head, folder, "auto", "cpu"), G.resolve_tree.choice
+        return G.resolve_tree(model, head, folder, "auto", "cpu")
 
     tree, c = chosen(lambda tree: 2.6e-3)  # the same whole steps: 1% apart by tau, a tie, to the fewest nodes
     assert len(tree) == 3 and c["tau"] == pytest.approx(2.42) and c["timed"] == [6, 5, 4]
@@ -982,8 +982,8 @@ def test_auto_tree_walks_a_heads_positions_with_its_lookup(tmp_path, monkeypatch
     assert T.step_walk(step) == [[(p, 0) for p, _ in prompt] for prompt in walk]
     for n in (3, 4):
         head = H.WithLookup(randomize(make_head("hydra", TINY), 1), H.NGram(TINY.vocab_size, n))
-        tree = G.resolve_tree(model, head, folder, "auto", "cpu")
-        c = G.resolve_tree.choice
+        tree, choice = G.resolve_tree(model, head, folder, "auto", "cpu")
+        c = choice
         assert tree is not None or n == 4  # (n = 4: the chain's hits unknown, its nodes paid for)
         for cand in c["candidates"]:
             head_paths, chain = T.split_chain(cand["paths"])
@@ -1018,7 +1018,7 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
                             ({N: f(N) for N in rows}, {d: 0.05e-3 * d for d in depths},
                              {"ar": 10e-3, "spec": [f(len(t) + 1) + 0.05e-3 * len(t) for t in trees]} if trees else {}))
         monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path / f"cache{per_row}")
-        tree = G.resolve_tree(model, head, "ngram", "auto", "cpu")
+        tree, choice = G.resolve_tree(model, head, "ngram", "auto", "cpu")
         # the best chain depth by brute force, with the same costs (0: plain decoding); within costs.TIE of
         # it, a tie, the shorter chain wins
         speed = lambda j: tau[j] * f(1) / (f(j + 1) + 0.05e-3 * j)
@@ -1027,12 +1027,12 @@ def test_auto_tree_for_the_ngram_drafter_weighs_its_measured_chain(tmp_path, mon
         assert tree == ([[0] * j for j in range(1, got + 1)] if got else None)
         assert got <= best and speed(got) >= (1 - costs.TIE) * speed(best), (got, best)
         if got:
-            assert G.resolve_tree.choice["tau"] == pytest.approx(tau[got])
+            assert choice["tau"] == pytest.approx(tau[got])
         chosen[per_row] = (got, best)
     (cheap, cheap_best), (mid, _), (dear, _) = chosen.values()  # deeper as rows get cheap
     assert cheap_best == len(hits) == 8 and cheap > mid > 0 and dear == 0, chosen
     monkeypatch.setattr(costs, "ngram_acceptance", lambda n, checkpoint=None: None)
-    assert G.resolve_tree(model, head, "ngram", "auto", "cpu") == "chain4"
+    assert G.resolve_tree(model, head, "ngram", "auto", "cpu")[0] == "chain4"
 
 
 def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_path):
@@ -1044,17 +1044,17 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
     import json
     import bench
     model, tok = default_model
-    head = H.load_heads("heads/eagle-smollm2", model, None, 3)
+    head = G.load_heads("heads/eagle-smollm2", model, None, 3)
     big = T.load_tree("tree16")
     f = tmp_path / "prompt.jsonl"
 
     def first_step(text, tree):
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
-        G.setup_caches(model, head, 512, scratch)
+        draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree)
+        sp.setup_caches(model, head, 512, scratch)
         with torch.inference_mode():
-            _, state = G.start(model, head, torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}]))),
+            _, state = sp.start(model, head, torch.tensor(tok.encode(tok.chat([{"role": "user", "content": text}]))),
                                depth, dict(temperature=0.0))
-            return int(G.spec_step(model, draft, accept, *state)[1])
+            return int(sp.spec_step(model, draft, accept, *state)[1])
 
     # at a root (the accepted paths there: (0, 2), (0, 0, 0, 0) and (0, 0, 1))
     subtrees = (T.load_tree("chain4"), [[0], [1], [0, 0]], [[0], [0, 2]], [[0], [0, 0], [0, 0, 1]], [[1], [1, 0]])
@@ -1075,18 +1075,18 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
     f.write_text(json.dumps({"prompt": text}) + "\n")
     big = big + [[-1] + [0] * 7]  # and the lookup chain deeper than the head's tree, as --acceptance measures it
     acc = bench.step_acceptance(model, tok, head, big, f, 48, 256)
-    draft, accept, depth, nodes, scratch = G.speculator(model, head, big)
-    G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
+    draft, accept, depth, nodes, scratch = sp.speculator(model, head, big)
+    sp.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
     ids, counts = tok.encode(tok.chat([{"role": "user", "content": text}])), []
 
     def step(*state):
-        out = G.spec_step(model, draft, accept, *state)
+        out = sp.spec_step(model, draft, accept, *state)
         counts.append(int(out[1]))
         return out
 
     with torch.inference_mode():
-        first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
-        G.decode(step, state, first, 48, tok.eos_id, span=(G.live_span(model, nodes), len(ids)))
+        first, state = sp.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+        sp.decode(step, state, first, 48, tok.eos_id, span=(sp.live_span(model, nodes), len(ids)))
     hits = acc["lookup"]["counts"]["3"]
     assert acc["roots"] == len(counts) and sum(hits) > 0
     assert sum(c - 1 for c in counts) == sum(acc["counts"]) - sum(acc["both"]["3"]) + sum(hits)
@@ -1097,16 +1097,16 @@ def test_step_acceptance_predicts_what_each_subtree_accepts(default_model, tmp_p
     walk = T.step_walk(bench.step_acceptance(model, tok, head, big, f, 48, 256), 3)
 
     def decoded(tree):  # (tokens, steps) over both prompts
-        draft, accept, depth, nodes, scratch = G.speculator(model, head, tree)
-        G.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
+        draft, accept, depth, nodes, scratch = sp.speculator(model, head, tree)
+        sp.setup_caches(model, head, G.cache_size(256, 48, nodes, model.args.max_seq_len), scratch)
         tokens = steps = 0
         for t in texts:
             ids = tok.encode(tok.chat([{"role": "user", "content": t}]))
             with torch.inference_mode():
-                first, state = G.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
-                out = G.decode(lambda *s: G.spec_step(model, draft, accept, *s), state, first, 48, tok.eos_id,
-                               span=(G.live_span(model, nodes), len(ids)))
-            tokens, steps = tokens + len(out) - 1, steps + G.decode.steps
+                first, state = sp.start(model, head, torch.tensor(ids), depth, dict(temperature=0.0))
+                out, k = sp.decode(lambda *s: sp.spec_step(model, draft, accept, *s), state, first, 48, tok.eos_id,
+                                   span=(sp.live_span(model, nodes), len(ids)))
+            tokens, steps = tokens + len(out) - 1, steps + k
         return tokens, steps
     assert len(walk) == 2 and decoded(big)[0] == sum(map(len, walk))
     for sub in (big, [[-1] + [0] * 7, [0]], [[-1, 0, 0], [0], [1], [0, 0]], T.load_tree("chain4")):

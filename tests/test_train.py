@@ -13,8 +13,10 @@ import distill
 import generate
 import heads
 import train
-from checkpoint import load_model
+from generate import load_model
 from conftest import TINY_VOCAB
+import speculate
+import checkpoint
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,7 +30,7 @@ def train_args(tiny, dataset, out, kind, *extra):
 def speculative_equals_autoregressive(model, head, prompt, new, drafted=None, **spec):
     """drafted: a list that collects every step's draft tokens."""
     eos = None
-    draft, accept, depth, nodes, scratch = generate.speculator(model, head, **spec)
+    draft, accept, depth, nodes, scratch = speculate.speculator(model, head, **spec)
     if drafted is not None:
         inner = draft
 
@@ -36,15 +38,14 @@ def speculative_equals_autoregressive(model, head, prompt, new, drafted=None, **
             tokens, tree = inner(*state)
             drafted.append(tokens)
             return tokens, tree
-    generate.setup_caches(model, head, len(prompt) + new + nodes, scratch)
+    speculate.setup_caches(model, head, len(prompt) + new + nodes, scratch)
     sampling = dict(temperature=0.0, top_k=0, top_p=1.0)
     prompt = torch.tensor(prompt)
     with torch.inference_mode():
-        first, state = generate.start(model, head, prompt, depth, sampling)
-        out = generate.decode(lambda *s: generate.spec_step(model, draft, accept, *s), state, first, new, eos)
-        steps = generate.decode.steps
-        first, state = generate.start(model, None, prompt, 0, sampling)
-        ref = generate.decode(lambda t, p: generate.ar_step(model, t, p), state, first, new, eos)
+        first, state = speculate.start(model, head, prompt, depth, sampling)
+        out, steps = speculate.decode(lambda *s: speculate.spec_step(model, draft, accept, *s), state, first, new, eos)
+        first, state = speculate.start(model, None, prompt, 0, sampling)
+        ref, _ = speculate.decode(lambda t, p: speculate.ar_step(model, t, p), state, first, new, eos)
     assert out == ref
     return (len(out) - 1) / steps
 
@@ -66,7 +67,7 @@ def test_train_head(tiny, dataset, tmp_path, kind, extra):
                                                       zip(saved["heldout"]["top1"], saved["heldout"]["top5"]))
 
     model, _ = load_model(str(tiny))
-    head = heads.load_heads(out, model)
+    head = generate.load_heads(out, model)
     assert type(head).__name__.lower() == kind
     trained = torch.load(out / "ckpt.pt", weights_only=True)["head"]
     loaded = head.state_dict()
@@ -161,7 +162,7 @@ def test_time_budget_stops_and_saves(tiny, dataset, tmp_path, capsys, monkeypatc
     monkeypatch.setattr(train, "lr_at", lambda *a, **k: lrs.append(real_lr_at(*a, **k)) or lrs[-1])
     record = train.main(train_args(tiny, dataset, tmp_path / "t", "medusa", "--steps", "1000000", "--minutes", "0.03"))
     assert "the time was up" in capsys.readouterr().err
-    assert 3 < record["steps"] < 1000000 and (tmp_path / "t" / heads.MEDUSA_FILES[0]).exists()
+    assert 3 < record["steps"] < 1000000 and (tmp_path / "t" / checkpoint.MEDUSA_FILES[0]).exists()
     assert lrs[-1] < 0.5 * max(lrs)  # the cosine ran down with the time, not with the million steps
 
 
@@ -171,7 +172,7 @@ def test_draft_vocab(tiny, dataset, tmp_path, kind, extra):
     out = tmp_path / "dv"
     record = train.main(train_args(tiny, dataset, out, kind, "--steps", "20", "--draft_vocab", "64", *extra))
     assert np.mean(record["losses"][-5:]) < np.mean(record["losses"][:5])
-    f = {"medusa": heads.MEDUSA_FILES, "hydra": heads.HYDRA_FILES, "eagle": heads.EAGLE_FILES}[kind][0]
+    f = {"medusa": checkpoint.MEDUSA_FILES, "hydra": checkpoint.HYDRA_FILES, "eagle": checkpoint.EAGLE_FILES}[kind][0]
     sd = load_file(out / f)
     d2t = sd.pop("d2t") + torch.arange(64)  # EAGLE-3's layout: offsets
     assert d2t.shape == (64,) and torch.equal(d2t, d2t.sort().values)
@@ -189,7 +190,7 @@ def test_draft_vocab(tiny, dataset, tmp_path, kind, extra):
 
     # loaded back, it drafts only draft-vocab (and context) tokens, and decoding stays exact
     model, _ = load_model(str(tiny))
-    head = heads.load_heads(out, model)
+    head = generate.load_heads(out, model)
     assert torch.equal(head.d2t, d2t)
     prompt = seqs[-1][:plens[-1]].tolist()
     drafted = []
@@ -206,7 +207,7 @@ def test_draft_vocab(tiny, dataset, tmp_path, kind, extra):
 
 
 def test_context_vocab_is_what_decoding_drafts(tiny, dataset, tmp_path, capsys):
-    """--context trains over the tokens outside the draft vocab that heads.note_context has added by the
+    """--context trains over the tokens outside the draft vocab that Drafter.note_context has added by the
     time the draft from position t runs (the sequence up to t+1, the root); the set is the same, root by
     root, and such targets count as hits when predicted."""
     seqs, plens, _, _ = distill.read_data(dataset)
@@ -224,7 +225,7 @@ def test_context_vocab_is_what_decoding_drafts(tiny, dataset, tmp_path, capsys):
     head = heads.set_draft_vocab(heads.Eagle(model.args), model, d2t)
     for r in range(2):
         for t in (0, 5, 30, 58):
-            heads.note_context(head, model, tokens[r, :t + 2], reset=True)
+            head.note_context(model, tokens[r, :t + 2], reset=True)
             assert set(head.ctx_ids[:int(head.ctx_n)].tolist()) == set(oov[seen[r, t]].tolist()), (r, t)
     assert seen[:, 58].any() and not seen[:, 0].all()
 
@@ -296,8 +297,8 @@ def test_hydra_grows_into_hydra_plus_plus(tiny, dataset, tmp_path):
     train.main(train_args(tiny, dataset, tmp_path / "hpp", "hydra", "--hydra_prefix", "--epochs", "0",
                           "--init", str(tmp_path / "h")))
     model, _ = load_model(str(tiny))
-    old = heads.load_heads(tmp_path / "h", model).state_dict()
-    new = heads.load_heads(tmp_path / "hpp", model).state_dict()
+    old = generate.load_heads(tmp_path / "h", model).state_dict()
+    new = generate.load_heads(tmp_path / "hpp", model).state_dict()
     assert set(new) - set(old) and all(k.startswith("prefix") for k in set(new) - set(old))
     assert all(torch.equal(old[k], new[k]) for k in old)
     assert not new["prefix.block.attention.wo.weight"].any() and not new["prefix.block.feed_forward.w2.weight"].any()
