@@ -187,8 +187,9 @@ def cached_costs(key: dict, wanted, measure, folder: Path) -> dict:
 
 def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, heads_dir=None) -> dict:
     """What a step part's cost depends on: the machine, the model, its dtype, the mode, the engine's
-    code; for the draft also the head's files and its lookup branch (its n-gram length: the choice weighs
-    that lookup's acceptance)."""
+    code; for the draft also the head (its folder's name and its weights' contents, not where the folder
+    lies: the CLI and the benchmark in two checkouts share the tables) and its lookup branch (its n-gram
+    length: the choice weighs that lookup's acceptance)."""
     code = hashlib.sha1(b"".join((Path(__file__).parent / f).read_bytes() for f in ENGINE)).hexdigest()[:12]
     key = dict(machine=machine(device), threads=torch.get_num_threads(), torch=torch.__version__, engine=code, device=device,
                dtype=str(model.output.weight.dtype), checkpoint=str(checkpoint or "default"),
@@ -196,10 +197,9 @@ def cost_key(model, device: str, compile_mode=None, checkpoint=None, head=None, 
     if head is None:
         return {**key, "part": "verify"}
     folder = Path(str(heads_dir))
-    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in folder.glob("*")
+    weights = sorted((f.name, hashlib.sha1(f.read_bytes()).hexdigest()) for f in folder.glob("*")
                      if f.suffix in (".safetensors", ".pt", ".bin")) if folder.is_dir() else []
-    return {**key, "part": "draft", "heads": str(folder.resolve()), "weights": weights,
-            "lookup": head.lookup}
+    return {**key, "part": "draft", "heads": folder.name, "weights": weights, "lookup": head.lookup}
 
 
 def timing_compiler(model, device: str, compile_mode, checkpoint):

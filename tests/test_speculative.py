@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import checkpoint
 import costs
 import cpu_kernels as ck
 import generate as G
@@ -874,6 +875,22 @@ def test_auto_tree_times_this_machine_and_stays_exact(tmp_path, monkeypatch, kin
     assert len(list((tmp_path / "cache").glob("tree-auto-*.json"))) == kept + 1
     (folder / "acceptance.json").unlink()                 # no measured acceptance: the old default
     assert G.resolve_tree(model, head, folder, "auto", "cpu")[0] == "tree16"
+
+
+def test_cost_key_names_a_head_by_its_contents_not_its_path(tmp_path):
+    """The tables of a head are found again from another checkout (another path, other file times):
+    the key holds its folder's name and its weights' contents; other weights, another key."""
+    import os
+    import shutil
+    model, head = tiny_model(), H.WithLookup(make_head("eagle", TINY), H.NGram(TINY.vocab_size, 3))
+    a, b = tmp_path / "one" / "eagle-tiny", tmp_path / "two" / "eagle-tiny"
+    checkpoint.save_heads(make_head("eagle", TINY), a)
+    shutil.copytree(a, b)
+    os.utime(b / "model.safetensors", (1, 1))
+    key = lambda d: costs.cost_key(model, "cpu", "default", None, head, d)
+    assert key(a) == key(b) and key(a)["weights"] and key(a)["lookup"] == 3
+    checkpoint.save_heads(make_head("eagle", TINY, seed=1), b)
+    assert key(a) != key(b)
 
 
 def test_auto_tree_times_every_size_it_may_choose(tmp_path, monkeypatch):
