@@ -65,8 +65,10 @@ def gemm_choice(model, device: str, mode=None, checkpoint=None):
     if not (device == "cpu" and "max-autotune" in (mode or "max-autotune") and cpu_kernels.torch_gemms(model)):
         return None
 
+    prepack = not cpu_kernels.runs_projections(model)
+
     def measure(idx):
-        return {i: step_costs(model, None, lambda f, g=GEMMS[i]: S.compile_step(f, device, mode, g),
+        return {i: step_costs(model, None, lambda f, g=GEMMS[i]: S.compile_step(f, device, mode, g, prepack),
                               rows=(1,))[0][1] for i in idx}
     t = cached_costs({**cost_key(model, device, mode, checkpoint), "part": "gemm", "gemms": GEMMS},
                      range(len(GEMMS)), measure, ckpt.CACHE_DIR)
@@ -74,8 +76,10 @@ def gemm_choice(model, device: str, mode=None, checkpoint=None):
 
 
 def compiler(model, device: str, mode=None, checkpoint=None):
-    """speculate.compile_step for this model's steps (fn -> compiled fn), with gemm_choice's GEMM backends."""
-    return functools.partial(S.compile_step, device=device, mode=mode, gemm=gemm_choice(model, device, mode, checkpoint))
+    """speculate.compile_step for this model's steps (fn -> compiled fn), with gemm_choice's GEMM backends
+    (and no oneDNN prepacking where our kernels run the projections: the graphs stay in inductor's cache)."""
+    return functools.partial(S.compile_step, device=device, mode=mode, gemm=gemm_choice(model, device, mode, checkpoint),
+                             prepack=not cpu_kernels.runs_projections(model))
 
 
 def step_costs(model, head, compiled, rows=ROWS, depths=DEPTHS, prefix=512, reps=20, trees=()):
@@ -209,7 +213,7 @@ def timing_compiler(model, device: str, compile_mode, checkpoint):
         return (lambda f: f), compile_mode
     mode = None if compile_mode == "default" else compile_mode
     gemm = gemm_choice(model, device, mode, checkpoint)
-    return functools.partial(S.compile_step, device=device, mode=mode, gemm=gemm), f"{compile_mode} {gemm}"
+    return compiler(model, device, mode, checkpoint), f"{compile_mode} {gemm}"
 
 
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,

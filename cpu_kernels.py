@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from model import Attention, FeedForward, KVCache, Transformer, tree_attention
 
 
-# the row counts given to rows_linear (a static shape, so chosen when traced), where it beat torch's
-# kernels in a compiled base forward (docs/speed.md)
-MIN_ROWS, MAX_ROWS = 8, 16
+# the row counts given to rows_linear (a static shape, so chosen when traced): a token step's one row too,
+# as fast as torch's prepacked GEMM and a graph that inductor's cache can keep (docs/speed.md)
+MIN_ROWS, MAX_ROWS = 1, 16
 
 
 def wanted(device, dtype) -> bool:
@@ -310,6 +310,11 @@ def swap_glu(model: nn.Module, dtype, cls, pack, fits) -> set:
             m.register_buffer("packed", pack(m.w1.weight, m.w3.weight), persistent=False)
             m.__class__ = cls
     return {l for m in model.modules() if type(m) is cls for l in (m.w1, m.w3)}
+
+
+def runs_projections(model: nn.Module) -> bool:
+    """Whether install gave model's projections to the kernels (a step's few rows go to them)."""
+    return any(type(m) in (RowsLinear, WideLinear, TileLinear) for m in model.modules())
 
 
 def torch_gemms(model: nn.Module) -> bool:

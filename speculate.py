@@ -186,10 +186,12 @@ def lean_guards(guards):
                 and not g.name.endswith("._buffers['packed']")) for g in guards]
 
 
-def compile_step(fn, device: str, mode=None, gemm=None):
+def compile_step(fn, device: str, mode=None, gemm=None, prepack: bool = True):
     """fullgraph, static shapes. CUDA: CUDA graphs (reduce-overhead). CPU: max-autotune with
     freezing: weights become constants that the CPU GEMM kernels pre-pack (AMX / AVX-512 micro-kernels
     for bf16 when max-autotune picks them). gemm: the GEMM backends max-autotune chooses among (GEMMS).
+    prepack: oneDNN's packed weights, which keep inductor's cache from storing the compiled graph (so
+    that every run compiles it again): off where cpu_kernels runs the step's projections.
     Sizes the caller marks (torch._dynamo.maybe_mark_dynamic) stay symbolic: the live span, the rows
     that costs times."""
     if mode is None:
@@ -206,6 +208,7 @@ def compile_step(fn, device: str, mode=None, gemm=None):
         # inductor tries to fuse each node with the next 64 that read a buffer it reads; the step's inputs are
         # read by every layer, so its fusion pass took a third of the compile; 8 gives the same code
         options["max_fusion_buffer_group_pairwise_attempts"] = 8
+        options["cpp.weight_prepack"] = prepack
         if gemm and "max-autotune" in mode:
             options["max_autotune_gemm_backends"] = gemm
     step = torch.compile(fn, options=options, fullgraph=True, dynamic=False)

@@ -397,9 +397,11 @@ def test_install_swaps_linears_and_attention_and_keeps_other_rows_as_torch(one_t
     # a bias, or N not a multiple of the kernel's 16 columns: left as they are
     assert type(m[0]) is ck.RowsLinear and type(m[1]) is nn.Linear and type(m[2]) is nn.Linear
     assert m[0].weight is w0 and "packed" not in m[0].state_dict()  # checkpoints keep their layout
-    for rows in (ck.MIN_ROWS - 1, ck.MAX_ROWS + 1):  # torch's kernel, bit for bit
+    for rows in (ck.MAX_ROWS + 1, 40):  # torch's kernel, bit for bit
         x = torch.randn(rows, 64).bfloat16()
         assert torch.equal(m[0](x), F.linear(x, w0))
+    x = torch.randn(1, 64).bfloat16()  # a token step's one row: the kernel
+    torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
     x = torch.randn(2, 5, 64).bfloat16()  # 10 rows: the kernel, the batch dims kept
     torch.testing.assert_close(m[0](x).float(), x.float() @ w0.float().T, rtol=2 ** -8 + 1e-5, atol=1e-4)
     fp32 = ck.install(nn.Sequential(nn.Linear(8, 16, bias=False), Attention(ModelArgs(dim=128, n_head=2))), "cpu", torch.float32)
@@ -460,3 +462,31 @@ def test_build_clears_a_lock_left_by_a_stopped_build(tmp_path):
     assert ck.clear_stale_lock(tmp_path) and not lock.exists()
     if ck.build():  # the kernels are built in the folder whose lock it clears
         assert list(ck.BUILD_DIR.glob("*/*.so"))
+
+
+@pytest.mark.skipif(not (ck.wanted("cpu", torch.bfloat16) or ck.wanted_tiles("cpu", torch.bfloat16)
+                         or ck.wanted_avx2("cpu", torch.bfloat16)), reason="the kernels are for bf16 on these CPUs")
+def test_a_compiled_step_on_the_kernels_is_kept_by_inductors_cache(tmp_path, monkeypatch):
+    """Where the kernels run the projections, compile_step leaves oneDNN's weight prepacking off: its
+    packed (mkldnn) weights cannot be pickled, and inductor's FX graph cache then compiled every run's
+    graphs again. The token step's graph is stored, and a fresh compile of it (another run) loads it."""
+    import costs
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert ck.build()
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=128, n_layer=2, n_head=2, n_kv_head=1, intermediate_size=256, vocab_size=512,
+                                  max_seq_len=128)).bfloat16().eval()
+    ck.install(model, "cpu", torch.bfloat16)
+    assert ck.runs_projections(model)
+    model.setup_caches(1, 64)
+    compiled = costs.compiler(model, "cpu", "default")
+    assert compiled.keywords["prepack"] is False
+    outs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.inference_mode():
+            outs.append(compiled(lambda t, pos: sp.ar_step(model, t, pos))(torch.tensor(3), torch.tensor(5))[0])
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and torch.equal(outs[0], outs[1])

@@ -704,7 +704,7 @@ def test_compiler_takes_the_gemm_backends_that_time_fastest(tmp_path, monkeypatc
     import checkpoint
     monkeypatch.setattr(checkpoint, "CACHE_DIR", tmp_path)
     model, seen = tiny_model(), []
-    monkeypatch.setattr(sp, "compile_step", lambda fn, device, mode=None, gemm=None: seen.append(gemm) or fn)
+    monkeypatch.setattr(sp, "compile_step", lambda fn, device, mode=None, gemm=None, prepack=True: seen.append(gemm) or fn)
     for fastest in costs.GEMMS:
         def step_costs(m, head, compiled, rows=costs.ROWS, **k):  # what each choice costs: known here
             compiled(None)
