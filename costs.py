@@ -212,8 +212,8 @@ def timing_compiler(model, device: str, compile_mode, checkpoint):
     if not compile_mode:
         return (lambda f: f), compile_mode
     mode = None if compile_mode == "default" else compile_mode
-    gemm = gemm_choice(model, device, mode, checkpoint)
-    return compiler(model, device, mode, checkpoint), f"{compile_mode} {gemm}"
+    compiled = compiler(model, device, mode, checkpoint)
+    return compiled, f"{compile_mode} {compiled.keywords['gemm']}"
 
 
 def measured_costs(model, head, heads_dir, device: str, compile_mode=None, checkpoint=None, rows=ROWS,

@@ -36,7 +36,6 @@ result in a tree step as alone. Ops (treespec::...) so that torch.compile calls 
 written in cpu_kernels.cpp or cpu_kernels_avx2.cpp (cpu_kernels.h: what the two share) and built
 with the C++ compiler that inductor needs anyway, once per machine (torch caches the build in
 the project's cache folder, kernels/, BUILD_DIR); where that fails the step keeps torch's kernels."""
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoint import CACHE_DIR
 from model import Attention, FeedForward, KVCache, Transformer, tree_attention
 
 
@@ -72,8 +72,7 @@ def wanted_tiles(device, dtype) -> bool:
 
 
 _built = None  # the ops that build() loaded (empty where it failed); None before it ran
-# the project's cache folder (checkpoint.CACHE_DIR), fixed at import: a test's own cache folder would build them again
-BUILD_DIR = Path(os.environ.get("TREESPEC_CACHE", Path.home() / ".cache" / "treespec")) / "kernels"
+BUILD_DIR = CACHE_DIR / "kernels"  # (fixed at import: a test's own cache folder would build them again)
 CPU_BF16 = torch.cpu._is_avx512_bf16_supported()  # bf16 arithmetic (AVX-512 bf16); read once: dynamo skips it
 
 
